@@ -1,0 +1,134 @@
+"""The ``sieproxy-engine`` command.
+
+    sieproxy-engine launch --sglang [--host H] [--port P] [options] -- <sglang args>
+        run ``python -m sglang.launch_server --host H --port P <sglang args>`` supervised:
+        ready when GET /health answers 200, restarted with backoff on a crash, stopped cleanly
+        (SIGTERM to its process group, then SIGKILL) on SIGTERM or SIGINT;
+    sieproxy-engine launch --health-url URL [options] -- <argv>
+        the same for any command;
+    sieproxy-engine fake [args]      the scripted fake engine (``engine.fake``; ``fake --help``);
+    sieproxy-engine serve [args]     the CPU engine (``engine.cpu.server``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from engine.supervisor import ChildSpec, Supervisor, SupervisorError, supervise_until_signal
+
+__all__ = ["build_launch_parser", "launch_spec", "main", "sglang_argv"]
+
+_USAGE = "usage: sieproxy-engine {launch,fake,serve} [args]  (see --help of each)"
+
+
+def sglang_argv(
+    host: str,
+    port: int,
+    args: Sequence[str],
+    *,
+    python: str | None = None,
+    module: str = "sglang.launch_server",
+) -> list[str]:
+    """The command line that starts an SGLang server on ``host:port`` with extra ``args``."""
+    return [python or sys.executable, "-m", module, "--host", host, "--port", str(port), *args]
+
+
+def _connect_host(host: str) -> str:
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def build_launch_parser() -> argparse.ArgumentParser:
+    """The ``launch`` subcommand's parser (the child's argv comes after ``--``)."""
+    p = argparse.ArgumentParser(
+        prog="sieproxy-engine launch", description="Run an engine process supervised."
+    )
+    p.add_argument("--sglang", action="store_true", help="run python -m sglang.launch_server")
+    p.add_argument("--host", default="127.0.0.1", help="--sglang: the server's host")
+    p.add_argument("--port", type=int, default=30000, help="--sglang: the server's port")
+    p.add_argument("--python", default=None, help="--sglang: interpreter (default: this one)")
+    p.add_argument("--sglang-module", default="sglang.launch_server", help=argparse.SUPPRESS)
+    p.add_argument("--health-url", default=None, help="readiness URL (default with --sglang: "
+                   "http://HOST:PORT/health; without: ready once spawned)")  # fmt: skip
+    p.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds (model load)")
+    p.add_argument("--poll-interval", type=float, default=1.0, help="seconds between probes")
+    p.add_argument("--backoff-initial", type=float, default=1.0)
+    p.add_argument("--backoff-max", type=float, default=60.0)
+    p.add_argument("--max-restarts", type=int, default=None,
+                   help="consecutive failures tolerated (default: unlimited)")  # fmt: skip
+    p.add_argument("--stop-timeout", type=float, default=30.0,
+                   help="seconds between SIGTERM and SIGKILL")  # fmt: skip
+    return p
+
+
+def launch_spec(argv: Sequence[str]) -> ChildSpec:
+    """Parse ``launch`` arguments (``[options] -- child args``) into a :class:`ChildSpec`."""
+    argv = list(argv)
+    if "--" in argv:
+        cut = argv.index("--")
+        own, child = argv[:cut], argv[cut + 1 :]
+    else:
+        own, child = argv, []
+    parser = build_launch_parser()
+    args = parser.parse_args(own)
+    health = args.health_url
+    if args.sglang:
+        child = sglang_argv(
+            args.host, args.port, child, python=args.python, module=args.sglang_module
+        )
+        if health is None:
+            health = f"http://{_connect_host(args.host)}:{args.port}/health"
+    elif not child:
+        parser.error("nothing to run: give --sglang, or a command after --")
+    return ChildSpec(
+        argv=child,
+        health_url=health,
+        ready_timeout=args.ready_timeout,
+        poll_interval=args.poll_interval,
+        backoff_initial=args.backoff_initial,
+        backoff_max=args.backoff_max,
+        max_restarts=args.max_restarts,
+        stop_timeout=args.stop_timeout,
+    )
+
+
+def _launch(argv: Sequence[str]) -> int:
+    spec = launch_spec(argv)
+
+    def ready(sup: Supervisor) -> None:
+        print(f"sieproxy-engine: ready (pid {sup.pid}, start {sup.starts})", file=sys.stderr)
+
+    try:
+        trio.run(lambda: supervise_until_signal(spec, on_ready=ready))
+    except SupervisorError as exc:
+        print(f"sieproxy-engine: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``sieproxy-engine``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__ if argv else _USAGE, file=sys.stderr if not argv else sys.stdout)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "launch":
+        return _launch(rest)
+    if command == "fake":
+        from engine.fake import main as fake_main
+
+        return fake_main(rest)
+    if command == "serve":
+        from engine.cpu.server import main as serve_main  # type: ignore[import-not-found,unused-ignore]
+
+        return int(serve_main(rest) or 0)
+    print(f"sieproxy-engine: unknown command {command!r}\n{_USAGE}", file=sys.stderr)
+    return 2

@@ -1,0 +1,60 @@
+"""``sieproxy`` command line: ``sieproxy serve [--config FILE] [--host H] [--port P]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import trio
+
+from .settings import ConfigError, as_dict, load_settings
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sieproxy", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="serve the gateway (default: the embedded CPU engine)")
+    s.add_argument("--config", help="TOML settings file (default: $SIEPROXY_CONFIG or none)")
+    s.add_argument("--host", help="listen address (overrides gateway.host)")
+    s.add_argument("--port", type=int, help="listen port (overrides gateway.port)")
+    c = sub.add_parser("config", help="print the effective settings (tokens redacted)")
+    c.add_argument("--config")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as exc:
+        print(f"sieproxy: configuration error: {exc}", file=sys.stderr)
+        return 2
+    if args.cmd == "config":
+        print(json.dumps(as_dict(settings), indent=2))
+        return 0
+    if args.host:
+        settings.gateway.host = args.host
+    if args.port is not None:
+        settings.gateway.port = args.port
+    logging.basicConfig(
+        level=settings.gateway.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from .serve import serve
+
+    try:
+        trio.run(serve, settings)
+    except ConfigError as exc:
+        print(f"sieproxy: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

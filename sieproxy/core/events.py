@@ -1,0 +1,116 @@
+"""Typed values that flow between the core's stages.
+
+    engine chunk (dict) ──upstream.GenerateReader──▶ CandidateDelta / CandidateFinish
+        ──choice pipeline (stop strings ▸ reasoning ▸ tools)──▶ ChoiceDelta
+        ──merger──▶ encoded SSE frames / a final body
+
+The parsers of the chat-semantics layer implement :class:`ReasoningParser` and
+:class:`ToolCallParser`; the choice pipeline only knows these two protocols.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+__all__ = [
+    "CandidateDelta",
+    "CandidateFinish",
+    "ChoiceDelta",
+    "ReasoningParser",
+    "TokenLogprob",
+    "ToolCallDelta",
+    "ToolCallParser",
+    "TopLogprob",
+]
+
+
+@dataclass(slots=True)
+class TopLogprob:
+    token: str
+    token_id: int
+    logprob: float
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """One generated token's logprob, with its top alternatives (``top`` empty if not asked)."""
+
+    token: str
+    token_id: int
+    logprob: float
+    top: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CandidateDelta:
+    """New output of one candidate since its previous delta (already de-cumulated)."""
+
+    text: str
+    completion_tokens: int  # cumulative count reported by the engine
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CandidateFinish:
+    """The terminal state of one candidate as the engine reported it.
+
+    ``reason`` is SGLang's ``finish_reason.type`` passed through (``stop``, ``length``, ``abort``
+    or anything newer); mapping to OpenAI's vocabulary is the merger's job.
+    """
+
+    reason: str
+    matched: str | int | list[int] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+
+
+@dataclass(slots=True)
+class ToolCallDelta:
+    """One OpenAI tool-call delta fragment: ``id`` and ``name`` only on a call's first one."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """What one choice adds to the response: visible text, reasoning, tool-call fragments."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning or self.tool_calls or self.logprobs)
+
+
+class ReasoningParser(Protocol):
+    """Splits a choice's text into reasoning and content, incrementally.
+
+    ``feed`` may hold back text that could be the start of a tag; ``flush`` releases it at the end.
+    Both return ``(reasoning, content)``.
+    """
+
+    def feed(self, text: str) -> tuple[str, str]: ...
+
+    def flush(self) -> tuple[str, str]: ...
+
+
+class ToolCallParser(Protocol):
+    """Turns a choice's content into plain content and tool-call deltas, incrementally.
+
+    ``feed``/``flush`` return ``(content, deltas)``; ``calls`` counts complete calls so far.
+    """
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]: ...
+
+    def flush(self) -> tuple[str, list[ToolCallDelta]]: ...
+
+    @property
+    def calls(self) -> int: ...

@@ -1,0 +1,363 @@
+"""Constrained decoding: ``response_format`` and ``tool_choice`` → one SGLang grammar key.
+
+SGLang accepts at most one of ``json_schema`` / ``regex`` / ``ebnf`` / ``structural_tag`` per
+request, each a *string*. Validation already refuses ``response_format`` together with a forcing
+``tool_choice``; when ``response_format`` meets ``tool_choice: "auto"``, the response format wins
+and tool calls are generated free (and parsed afterwards).
+
+Decisions
+---------
+``response_format``
+    ``text`` → no constraint; ``json_object`` → ``json_schema = '{"type": "object"}'``;
+    ``json_schema`` → ``json_schema = json.dumps(schema)`` (a schema-less ``json_schema`` format
+    is treated as ``json_object``). As SGLang's OpenAI layer does.
+
+``tool_choice`` (see :func:`tool_plan`)
+    - no tools, or ``"none"``: the template sees no tools, nothing is constrained, no tool parser.
+    - ``"auto"`` (the default with tools): the template sees every tool, generation is free and the
+      profile's ``tool_parser`` (may be ``None``: then calls are not parsed) reads the output.
+      Exception, mirroring SGLang's "strict" handling: if a tool declares ``strict: true`` and the
+      profile's parser is ``hermes`` / ``qwen25`` / ``qwen``, a trigger-based *legacy* xgrammar
+      structural tag (``{"type": "structural_tag", "structures": [...], "triggers":
+      ["<tool_call>"]}``, the shape SGLang's own OpenAI layer sends) constrains the arguments of
+      any call the model chooses to open, while text outside calls stays free.
+    - ``"required"`` or a named function: a **JSON-array** constraint, whatever the profile's
+      parser. Output is ``[{"name": <fn>, "parameters": {...}}, ...]`` with ``minItems: 1``
+      (and ``maxItems: 1`` when ``parallel_tool_calls`` is false), each item an ``anyOf`` branch
+      per allowed function whose ``parameters`` is that function's schema. The response side
+      parses it with the ``"json_array"`` parser. Why not a model-native structural tag:
+      trigger-based tags do not force a call ("required" would not be guaranteed), the newer
+      ``triggered_tags`` ``at_least_one`` form needs a recent xgrammar on the engine, and a JSON
+      schema is the one grammar every SGLang backend (xgrammar, llguidance, outlines) and the
+      project's CPU engine accept. This is what SGLang does when no tool parser is configured.
+      A named choice also shows only that function to the template (SGLang's rule).
+    - Tool schemas with local ``$defs`` / ``definitions``: ``#/$defs/X`` references resolve
+      against the document root, so each function's definitions are hoisted to the root of the
+      array schema; two functions defining the same name differently is a 400 on ``tools``.
+
+``schema_in_prompt`` (:func:`with_schema_in_prompt`)
+    A ``json_schema`` response format is also shown to the model, unless the request says
+    ``schema_in_prompt: false`` (absent → ``profile.schema_in_prompt``) or some message already
+    contains the schema as JSON (whitespace-insensitive text match, or a JSON object in a message
+    that parses equal to the schema). The section is :func:`response_formats_section`::
+
+        # Response Formats
+
+        ## <name>
+
+        // <description>
+        <compact schema>
+
+    (OpenAI's harmony layout: ``<name>`` is ``json_schema.name`` or ``response``, the
+    description line only when a description is given, the schema as
+    ``json.dumps(schema, separators=(",", ":"), ensure_ascii=False)``). It is appended to the
+    first system message, after a blank line (as its own text part for content-part arrays); with
+    no system message a new one holding just the section is inserted at the start.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InvalidRequest
+from .profile import ModelProfile
+from .request import ValidChat
+from .schemas import NamedToolChoice, Tool
+
+__all__ = [
+    "JSON_ARRAY_PARSER",
+    "NATIVE_TAG_PARSERS",
+    "RESPONSE_FORMATS_HEADER",
+    "Constraint",
+    "ToolPlan",
+    "json_array_tool_schema",
+    "response_format_constraint",
+    "response_formats_section",
+    "schema_in_prompt_enabled",
+    "tool_constraint",
+    "tool_plan",
+    "tool_structural_tag",
+    "with_schema_in_prompt",
+]
+
+#: ``(sampling_params key, value)``: the one grammar of a request.
+Constraint = tuple[str, str]
+
+#: The response-side parser for the JSON-array tool constraint.
+JSON_ARRAY_PARSER = "json_array"
+
+#: Profile tool parsers whose ``<tool_call>`` format the legacy structural tag can express.
+NATIVE_TAG_PARSERS = frozenset({"hermes", "qwen25", "qwen"})
+
+RESPONSE_FORMATS_HEADER = "# Response Formats"
+
+_JSON_OBJECT = '{"type": "object"}'
+_EMPTY_PARAMS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+# ---------------------------------------------------------------- response_format
+
+
+def _response_schema(valid: ValidChat) -> dict[str, Any] | None:
+    rf = valid.req.response_format
+    if rf is None or rf.type != "json_schema" or rf.json_schema is None:
+        return None
+    return rf.json_schema.schema_
+
+
+def response_format_constraint(valid: ValidChat) -> Constraint | None:
+    """The grammar for ``response_format`` (``None`` for ``text`` or no format)."""
+    rf = valid.req.response_format
+    if rf is None or rf.type == "text":
+        return None
+    schema = _response_schema(valid)
+    if schema is None:
+        return ("json_schema", _JSON_OBJECT)
+    return ("json_schema", json.dumps(schema, ensure_ascii=False))
+
+
+# ---------------------------------------------------------------- tools
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """What ``tools`` / ``tool_choice`` mean for one request.
+
+    ``template_tools``: the tools the chat template sees (``None``: none). ``constraint``: the
+    grammar (``None``: free generation). ``parser``: the response side's tool-call parser
+    (``None``: tool calls are not parsed). ``active``: tools are in play (the engine must then
+    keep special tokens, so tool tags survive detokenization).
+    """
+
+    template_tools: list[dict[str, Any]] | None
+    constraint: Constraint | None
+    parser: str | None
+    active: bool
+
+
+def _tool_dict(tool: Tool) -> dict[str, Any]:
+    fn: dict[str, Any] = {"name": tool.function.name}
+    if tool.function.description is not None:
+        fn["description"] = tool.function.description
+    if tool.function.parameters is not None:
+        fn["parameters"] = tool.function.parameters
+    return {"type": "function", "function": fn}
+
+
+def _params(tool: Tool) -> dict[str, Any]:
+    return tool.function.parameters or dict(_EMPTY_PARAMS)
+
+
+_DEF_KEYS = ("$defs", "definitions")
+
+
+def _hoist_defs(tools: list[Tool]) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Each tool's parameters without local definitions, and the definitions to put at the root."""
+    roots: dict[str, dict[str, Any]] = {}
+    params: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools):
+        p = _params(tool)
+        if any(k in p for k in _DEF_KEYS):
+            p = dict(p)
+            for key in _DEF_KEYS:
+                defs = p.pop(key, None)
+                if not isinstance(defs, dict):
+                    continue
+                bucket = roots.setdefault(key, {})
+                for name, schema in defs.items():
+                    if name in bucket and bucket[name] != schema:
+                        raise InvalidRequest(
+                            f"Tools define `{key}.{name}` differently; rename one of them.",
+                            param=f"tools[{i}].function.parameters",
+                        )
+                    bucket[name] = schema
+        params.append(p)
+    return params, roots
+
+
+def json_array_tool_schema(tools: list[Tool], *, parallel: bool = True) -> dict[str, Any]:
+    """The JSON-array constraint: ``[{"name": fn, "parameters": {...}}, ...]``, at least one.
+
+    ``parallel=False`` adds ``maxItems: 1``.
+    """
+    params, defs = _hoist_defs(tools)
+    items = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [tool.function.name]},
+                "parameters": p,
+            },
+            "required": ["name", "parameters"],
+        }
+        for tool, p in zip(tools, params, strict=True)
+    ]
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"type": "object", "anyOf": items},
+    }
+    if not parallel:
+        schema["maxItems"] = 1
+    schema.update(defs)
+    return schema
+
+
+def tool_structural_tag(tools: list[Tool], parser: str) -> str:
+    """A legacy xgrammar structural tag for ``<tool_call>`` calls (``hermes`` / ``qwen25``).
+
+    One structure per tool; a ``strict`` tool's arguments follow its parameters, the others only
+    have to be a JSON object. Calls are optional (trigger-based); text around them is free.
+    """
+    nl = "" if parser == "hermes" else "\n"
+    structures = [
+        {
+            "begin": f'<tool_call>{nl}{{"name": {json.dumps(t.function.name)}, "arguments": ',
+            "schema": _params(t) if t.function.strict else {"type": "object"},
+            "end": f"}}{nl}</tool_call>",
+        }
+        for t in tools
+    ]
+    return json.dumps(
+        {"type": "structural_tag", "structures": structures, "triggers": ["<tool_call>"]},
+        ensure_ascii=False,
+    )
+
+
+def _allowed(valid: ValidChat) -> list[Tool]:
+    tools = list(valid.req.tools or ())
+    choice = valid.req.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        named = [t for t in tools if t.function.name == choice.function.name]
+        if not named:
+            raise InvalidRequest(
+                f"tool_choice names `{choice.function.name}`, which is not in `tools`.",
+                param="tool_choice",
+            )
+        return named[:1]
+    return tools
+
+
+def tool_plan(valid: ValidChat, profile: ModelProfile) -> ToolPlan:
+    """Decide template tools, grammar and parser for the request's tools (module docstring)."""
+    choice = valid.req.tool_choice
+    if not valid.req.tools or choice == "none":
+        return ToolPlan(None, None, None, active=False)
+    allowed = _allowed(valid)
+    template_tools = [_tool_dict(t) for t in allowed]
+    if choice == "required" or isinstance(choice, NamedToolChoice):
+        parallel = valid.req.parallel_tool_calls is not False
+        schema = json_array_tool_schema(allowed, parallel=parallel)
+        value = json.dumps(schema, ensure_ascii=False)
+        return ToolPlan(template_tools, ("json_schema", value), JSON_ARRAY_PARSER, active=True)
+    parser = profile.tool_parser
+    constraint: Constraint | None = None
+    if parser in NATIVE_TAG_PARSERS and any(t.function.strict for t in allowed):
+        assert parser is not None
+        constraint = ("structural_tag", tool_structural_tag(allowed, parser))
+    return ToolPlan(template_tools, constraint, parser, active=True)
+
+
+def tool_constraint(valid: ValidChat, profile: ModelProfile) -> tuple[str, str, str | None] | None:
+    """``(sampling_key, value, parser_name)`` for the request's tool grammar, or ``None``.
+
+    ``None`` means free generation (the parser, if any, is :attr:`ToolPlan.parser`).
+    """
+    plan = tool_plan(valid, profile)
+    if plan.constraint is None:
+        return None
+    return (plan.constraint[0], plan.constraint[1], plan.parser)
+
+
+# ---------------------------------------------------------------- schema in prompt
+
+
+def schema_in_prompt_enabled(valid: ValidChat, profile: ModelProfile) -> bool:
+    """The request's ``schema_in_prompt``, else the profile's default."""
+    flag = valid.req.schema_in_prompt
+    return profile.schema_in_prompt if flag is None else flag
+
+
+def _compact(schema: Any) -> str:
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+def response_formats_section(
+    schema: dict[str, Any], *, name: str | None = None, description: str | None = None
+) -> str:
+    """The exact text shown to the model for a ``json_schema`` response format."""
+    lines = [RESPONSE_FORMATS_HEADER, "", f"## {name or 'response'}", ""]
+    if description:
+        lines.append(f"// {description}")
+    lines.append(_compact(schema))
+    return "\n".join(lines)
+
+
+_WS = re.compile(r"\s+")
+_MAX_PARSE_ATTEMPTS = 64
+
+
+def _texts(content: Any) -> list[str]:
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text"]
+    return []
+
+
+def _contains_schema(text: str, schema: dict[str, Any], squeezed: str) -> bool:
+    if squeezed in _WS.sub("", text):
+        return True
+    decoder = json.JSONDecoder()
+    pos, attempts = text.find("{"), 0
+    while pos != -1 and attempts < _MAX_PARSE_ATTEMPTS:
+        attempts += 1
+        try:
+            value, end = decoder.raw_decode(text, pos)
+        except ValueError:
+            pos = text.find("{", pos + 1)
+            continue
+        if value == schema:
+            return True
+        pos = text.find("{", end)
+    return False
+
+
+def _already_shown(messages: list[dict[str, Any]], schema: dict[str, Any]) -> bool:
+    squeezed = _WS.sub("", _compact(schema))
+    return any(
+        _contains_schema(text, schema, squeezed)
+        for msg in messages
+        for text in _texts(msg.get("content"))
+    )
+
+
+def with_schema_in_prompt(
+    messages: list[dict[str, Any]], valid: ValidChat, profile: ModelProfile
+) -> list[dict[str, Any]]:
+    """``messages`` with the ``# Response Formats`` section added when it applies (a new list)."""
+    schema = _response_schema(valid)
+    if schema is None or not schema_in_prompt_enabled(valid, profile):
+        return messages
+    if _already_shown(messages, schema):
+        return messages
+    rf = valid.req.response_format
+    assert rf is not None and rf.json_schema is not None
+    section = response_formats_section(
+        schema, name=rf.json_schema.name, description=rf.json_schema.description
+    )
+    out = list(messages)
+    for i, msg in enumerate(out):
+        if msg.get("role") != "system":
+            continue
+        content = msg.get("content")
+        if isinstance(content, list):
+            new_content: Any = [*content, {"type": "text", "text": section}]
+        else:
+            new_content = f"{content}\n\n{section}" if content else section
+        out[i] = {**msg, "content": new_content}
+        return out
+    return [{"role": "system", "content": section}, *out]

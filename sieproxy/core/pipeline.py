@@ -1,0 +1,170 @@
+"""From request bytes to everything the shell needs to run a generation request.
+
+``build_chat`` / ``build_completion`` chain the sans-IO stages — decode and validate, find the
+model (404), check the model-dependent rules, plan the engine requests, and build the response
+shaper (a stream or a collector) with one fresh tool/reasoning parser per choice. The shell only
+adds I/O: routing, the engine calls, the writes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import GatewayError, NotFound
+from .events import CandidateDelta, CandidateFinish, ReasoningParser, ToolCallParser
+from .merger import ChatCollector, ChatStream, CompletionCollector, CompletionStream
+from .plan import merge_stops, plan_chat, plan_completion
+from .profile import ModelProfile
+from .reasoning import make_reasoning_parser
+from .toolparse import make_tool_parser
+from .validate import check_chat, check_completion, decode_chat, decode_completion
+
+__all__ = ["Prepared", "build_chat", "build_completion"]
+
+
+class _Collected:
+    """Adapts a collector to the stream interface the shell drives (one body at the end)."""
+
+    def __init__(self, collector: ChatCollector | CompletionCollector) -> None:
+        self.collector = collector
+        self.choices = collector.choices
+
+    def start(self) -> bytes:
+        return b""
+
+    def on_delta(self, index: int, delta: CandidateDelta) -> bytes:
+        self.collector.on_delta(index, delta)
+        return b""
+
+    def on_finish(self, index: int, finish: CandidateFinish) -> bytes:
+        self.collector.on_finish(index, finish)
+        return b""
+
+    def on_error(self, err: GatewayError) -> bytes:  # never after a non-streaming start
+        raise err
+
+    def end(self) -> bytes:
+        return self.collector.result()
+
+    def stopped(self, index: int) -> bool:
+        return self.collector.stopped(index)
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A validated, planned request: engine bodies and the response shaper."""
+
+    model: str
+    n: int
+    stream: bool
+    bodies: list[dict[str, Any]]
+    shaper: Any  # ChatStream | CompletionStream | _Collected
+    losers: Callable[[], list[int]] | None
+    affinity_key: str | None
+
+    def usage(self) -> tuple[int, int]:
+        """(prompt tokens once, completion tokens summed) over what the engines reported."""
+        choices = self.shaper.choices
+        prompt = max((c.prompt_tokens for c in choices), default=0)
+        return prompt, sum(c.completion_tokens for c in choices)
+
+
+def _profile(profiles: Mapping[str, ModelProfile], model: str) -> ModelProfile:
+    profile = profiles.get(model)
+    if profile is None:
+        raise NotFound(
+            f"The model {model!r} does not exist; GET /v1/models lists the served models.",
+            param="model",
+            code="model_not_found",
+        )
+    return profile
+
+
+def build_chat(
+    raw: bytes, profiles: Mapping[str, ModelProfile], *, request_id: str, created: int
+) -> Prepared:
+    req = decode_chat(raw)
+    profile = _profile(profiles, req.model)
+    valid = check_chat(req, profile)
+    plan = plan_chat(valid, profile, request_id=request_id)
+    valid.stop = merge_stops(valid.stop, profile.stop)
+
+    tool_names = [t.function.name for t in req.tools or []]
+    counter = itertools.count()
+    tool_factory: Callable[[], ToolCallParser] | None = None
+    if plan.tool_parser is not None:
+        name = plan.tool_parser
+
+        def tool_factory() -> ToolCallParser:
+            p = make_tool_parser(name, tool_names=tool_names, seed=f"{request_id}-{next(counter)}")
+            assert p is not None
+            return p
+
+    reasoning_factory: Callable[[], ReasoningParser] | None = None
+    if plan.reasoning_parser is not None:
+        rname = plan.reasoning_parser
+        ctk = req.chat_template_kwargs
+        thinking = ctk.enable_thinking if ctk is not None else None
+
+        def reasoning_factory() -> ReasoningParser:
+            p = make_reasoning_parser(rname, enable_thinking=thinking)
+            assert p is not None
+            return p
+
+    kw: dict[str, Any] = {
+        "response_id": f"chatcmpl-{request_id}",
+        "model": req.model,
+        "created": created,
+        "reasoning_parser": reasoning_factory,
+        "tool_parser": tool_factory,
+    }
+    shaper: Any
+    losers = None
+    if valid.stream:
+        shaper = ChatStream(valid, **kw)
+    else:
+        collector = ChatCollector(valid, **kw)
+        shaper = _Collected(collector)
+        if valid.candidates > valid.n:
+            losers = collector.losers
+    return Prepared(
+        model=req.model,
+        n=valid.n,
+        stream=valid.stream,
+        bodies=plan.bodies,
+        shaper=shaper,
+        losers=losers,
+        affinity_key=req.routing_key or req.prompt_cache_key,
+    )
+
+
+def build_completion(
+    raw: bytes, profiles: Mapping[str, ModelProfile], *, request_id: str, created: int
+) -> Prepared:
+    req = decode_completion(raw)
+    profile = _profile(profiles, req.model)
+    valid = check_completion(req, profile)
+    body = plan_completion(valid, profile, request_id=request_id)
+    valid.stop = merge_stops(valid.stop, profile.stop)
+    kw: dict[str, Any] = {
+        "response_id": f"cmpl-{request_id}",
+        "model": req.model,
+        "created": created,
+    }
+    shaper: Any
+    if valid.stream:
+        shaper = CompletionStream(valid, **kw)
+    else:
+        shaper = _Collected(CompletionCollector(valid, **kw))
+    return Prepared(
+        model=req.model,
+        n=1,
+        stream=valid.stream,
+        bodies=[body],
+        shaper=shaper,
+        losers=None,
+        affinity_key=None,
+    )

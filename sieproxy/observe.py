@@ -1,0 +1,162 @@
+"""Metrics (Prometheus text format) and the structured access log.
+
+Both are fed once per request (:meth:`Observer.request_done`), never per chunk. Gauges of
+replica state are read from the pools at scrape time. No label carries user data: labels are
+the endpoint, the configured model name, the status code, the replica URL (from config) and the
+abort cause (a fixed vocabulary).
+
+The access log is one JSON line per request on the ``sieproxy.access`` logger. It never carries
+a bearer token, a prompt, generated text or ``user``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import msgspec
+import trio
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
+
+from .pool import ModelPool
+from .relay import RequestStats
+
+__all__ = ["Observer"]
+
+access_log = logging.getLogger("sieproxy.access")
+_enc = msgspec.json.Encoder()
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _PoolCollector(Collector):
+    def __init__(self, pools: dict[str, ModelPool]) -> None:
+        self._pools = pools
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        inflight = GaugeMetricFamily(
+            "sieproxy_replica_inflight_candidates",
+            "Candidates running on each engine replica.",
+            labels=["model", "replica"],
+        )
+        healthy = GaugeMetricFamily(
+            "sieproxy_replica_up",
+            "1 when the replica is ready and its circuit is closed.",
+            labels=["model", "replica"],
+        )
+        try:
+            now = trio.current_time()
+        except RuntimeError:
+            now = 0.0
+        for model, pool in self._pools.items():
+            for r in pool.replicas:
+                inflight.add_metric([model, r.url], r.inflight)
+                healthy.add_metric([model, r.url], 1.0 if r.available(now) else 0.0)
+        yield inflight
+        yield healthy
+
+
+class Observer:
+    def __init__(self, pools: dict[str, ModelPool], *, access_log_enabled: bool = True) -> None:
+        self.registry = CollectorRegistry()
+        self._access = access_log_enabled
+        r = self.registry
+        self.requests = Counter(
+            "sieproxy_requests",
+            "Requests by endpoint, model and status.",
+            ["endpoint", "model", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "sieproxy_time_to_first_token_seconds",
+            "Time to first token.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "sieproxy_request_duration_seconds",
+            "Whole request duration.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "sieproxy_inter_token_latency_seconds",
+            "Mean time between tokens of a request (one observation per request).",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tokens = Counter(
+            "sieproxy_tokens",
+            "Tokens in (prompt) and out (completion).",
+            ["model", "direction"],
+            registry=r,
+        )
+        self.aborts = Counter(
+            "sieproxy_upstream_aborts",
+            "Upstream aborts by cause.",
+            ["model", "cause"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "sieproxy_retries",
+            "Requests retried on another replica before any byte.",
+            ["model"],
+            registry=r,
+        )
+        r.register(_PoolCollector(pools))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def count_refusal(self, endpoint: str, model: str, status: int) -> None:
+        self.requests.labels(endpoint, model, str(status)).inc()
+
+    def request_done(self, s: RequestStats) -> None:
+        now = trio.current_time()
+        status = s.error.status if s.error is not None else 200
+        self.requests.labels(s.endpoint, s.model, str(status)).inc()
+        self.duration.labels(s.model).observe(now - s.started)
+        ttft = None
+        if s.first_token_at is not None:
+            ttft = s.first_token_at - s.started
+            self.ttft.labels(s.model).observe(ttft)
+            if s.completion_tokens > 1:
+                self.itl.labels(s.model).observe(
+                    (now - s.first_token_at) / (s.completion_tokens - 1)
+                )
+        if s.prompt_tokens:
+            self.tokens.labels(s.model, "in").inc(s.prompt_tokens)
+        if s.completion_tokens:
+            self.tokens.labels(s.model, "out").inc(s.completion_tokens)
+        for cause, k in s.abort_causes.items():
+            self.aborts.labels(s.model, cause).inc(k)
+        if s.retried:
+            self.retries.labels(s.model).inc()
+        if self._access and access_log.isEnabledFor(logging.INFO):
+            access_log.info(
+                _enc.encode(
+                    {
+                        "request_id": s.request_id,
+                        "endpoint": s.endpoint,
+                        "model": s.model,
+                        "status": status,
+                        "n": s.n,
+                        "stream": s.stream,
+                        "prompt_tokens": s.prompt_tokens,
+                        "completion_tokens": s.completion_tokens,
+                        "ttft_ms": None if ttft is None else round(ttft * 1000, 3),
+                        "duration_ms": round((now - s.started) * 1000, 3),
+                        "replica": s.replica,
+                        "abort_causes": s.abort_causes or None,
+                        "retried": s.retried,
+                        "error_code": None if s.error is None else s.error.code,
+                        "sdk_version": s.sdk_version,
+                    }
+                ).decode()
+            )

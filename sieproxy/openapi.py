@@ -1,0 +1,113 @@
+"""The gateway's OpenAPI document, generated from the request Structs (so it cannot drift)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import msgspec
+
+from . import __version__
+from .core.schemas import (
+    CHAT_KNOWN_REJECTED,
+    COMPLETIONS_KNOWN_REJECTED,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+
+__all__ = ["openapi_document"]
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+
+def _responses(ok_desc: str) -> dict[str, Any]:
+    err = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    out: dict[str, Any] = {
+        "200": {
+            "description": ok_desc,
+            "content": {
+                "application/json": {"schema": {"type": "object"}},
+                "text/event-stream": {"schema": {"type": "string"}},
+            },
+        }
+    }
+    for code, desc in (
+        ("400", "Invalid or unsupported request"),
+        ("401", "Missing or invalid bearer token"),
+        ("404", "Model not found"),
+        ("413", "Request body is too large"),
+        ("500", "Worker emitted malformed response; auth enabled but no tokens configured"),
+        ("503", "No ready engine, at capacity, or model loading (Retry-After)"),
+    ):
+        out[code] = {"description": desc, **err}
+    return out
+
+
+@functools.cache
+def openapi_document() -> dict[str, Any]:
+    (chat, comp), components = msgspec.json.schema_components(
+        [ChatCompletionRequest, CompletionRequest], ref_template="#/components/schemas/{name}"
+    )
+    for name, rejected in (
+        ("ChatCompletionRequest", CHAT_KNOWN_REJECTED),
+        ("CompletionRequest", COMPLETIONS_KNOWN_REJECTED),
+    ):
+        props = components[name]["properties"]
+        for field in rejected:
+            props.pop(field, None)
+        components[name]["additionalProperties"] = False
+    components["Error"] = _ERROR
+    headers = [
+        {"name": h, "in": "header", "required": False, "schema": {"type": "string"}}
+        for h in ("X-Request-Id", "X-SIE-Pool", "X-SIE-MACHINE-PROFILE", "X-SIE-SDK-Version")
+    ]
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "sieproxy", "version": __version__},
+        "paths": {
+            "/v1/chat/completions": {
+                "post": {
+                    "operationId": "createChatCompletion",
+                    "parameters": headers,
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": chat}},
+                    },
+                    "responses": _responses("Chat completion (JSON or SSE)"),
+                }
+            },
+            "/v1/completions": {
+                "post": {
+                    "operationId": "createCompletion",
+                    "parameters": headers,
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": comp}},
+                    },
+                    "responses": _responses("Text completion (JSON or SSE)"),
+                }
+            },
+            "/v1/models": {
+                "get": {
+                    "operationId": "listModels",
+                    "responses": {"200": {"description": "Model list"}},
+                }
+            },
+        },
+        "components": {"schemas": components},
+    }

@@ -1,0 +1,214 @@
+"""Engine replicas of each model: readiness, circuit breaking, routing and admission.
+
+Routing, for one request (all its candidates go to one replica, which shares the prompt's
+prefix cache):
+
+1. Candidates are the *ready* replicas whose labels match the request's ``X-SIE-Pool`` /
+   ``X-SIE-MACHINE-PROFILE`` (absent header = any).
+2. With an affinity key (``routing_key``, else ``prompt_cache_key``), replicas are ranked by
+   rendezvous hashing on the key, and the first one whose load stays within
+   ``bound × (mean load + 1)`` is chosen (consistent hashing with bounded loads), so repeat
+   prefixes reach a warm cache but one hot key cannot overload a replica.
+3. Otherwise the replica with the fewest outstanding candidates wins (ties: fewest total).
+
+Admission: a replica holds at most ``replica_max_inflight`` candidates. When every matching
+replica is full the request waits (bounded by ``admission_wait``), then gets 503 + Retry-After.
+
+Health: a background task per replica polls ``/health`` (and ``/server_info`` once, to learn the
+text mode). A replica that fails ``breaker_failures`` checks or requests in a row is taken out
+for a backoff that doubles up to ``breaker_backoff_max``; a successful check puts it back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import trio
+
+from .core.errors import InvalidRequest, ServiceUnavailable
+from .settings import EngineSpec, GatewaySettings
+
+__all__ = ["ModelPool", "Replica", "RouteHints"]
+
+_LOAD_BOUND = 1.25
+
+
+@dataclass(slots=True)
+class RouteHints:
+    pool: str | None = None
+    machine_profile: str | None = None
+    affinity_key: str | None = None
+
+
+@dataclass(eq=False)
+class Replica:
+    url: str
+    pool: str | None = None
+    machine_profile: str | None = None
+    ready: bool = False
+    incremental: bool = False
+    info_loaded: bool = False
+    inflight: int = 0  # candidates currently running here
+    total: int = 0
+    failures: int = 0  # consecutive
+    out_until: float = 0.0  # circuit open until this trio time
+    backoff: float = 0.0
+
+    def matches(self, h: RouteHints) -> bool:
+        return (h.pool is None or h.pool == self.pool) and (
+            h.machine_profile is None or h.machine_profile == self.machine_profile
+        )
+
+    def available(self, now: float) -> bool:
+        return self.ready and now >= self.out_until
+
+
+class ModelPool:
+    """The replicas of one model."""
+
+    def __init__(self, model: str, specs: Iterable[EngineSpec], g: GatewaySettings) -> None:
+        self.model = model
+        self._g = g
+        self.replicas = [
+            Replica(url=s.url.rstrip("/"), pool=s.pool, machine_profile=s.machine_profile)
+            for s in specs
+        ]
+        self.pools = frozenset(r.pool for r in self.replicas if r.pool)
+        self.machine_profiles = frozenset(
+            r.machine_profile for r in self.replicas if r.machine_profile
+        )
+        self._room = trio.Event()  # set (and replaced) whenever capacity may have appeared
+        #: False while the model's chat template is still being discovered from an engine.
+        self.gate_open = True
+
+    def _wake(self) -> None:
+        self._room.set()
+        self._room = trio.Event()
+
+    # ------------------------------------------------------------------ readiness
+    def any_ready(self) -> bool:
+        now = trio.current_time()
+        return self.gate_open and any(r.available(now) for r in self.replicas)
+
+    def check_hints(self, h: RouteHints) -> None:
+        """A header value that no replica of the model carries is a 400 naming the header."""
+        if h.pool is not None and h.pool not in self.pools:
+            raise InvalidRequest(
+                f"No engine of model {self.model!r} is in pool {h.pool!r}.", param="X-SIE-Pool"
+            )
+        if h.machine_profile is not None and h.machine_profile not in self.machine_profiles:
+            raise InvalidRequest(
+                f"No engine of model {self.model!r} has machine profile {h.machine_profile!r}.",
+                param="X-SIE-MACHINE-PROFILE",
+            )
+
+    def record_success(self, r: Replica) -> None:
+        r.failures = 0
+        r.backoff = 0.0
+
+    def record_failure(self, r: Replica) -> None:
+        """A request or a health check failed on ``r``; open its breaker after a streak."""
+        r.failures += 1
+        if r.failures >= self._g.breaker_failures:
+            r.backoff = min(
+                self._g.breaker_backoff_max,
+                (r.backoff * 2) if r.backoff else self._g.breaker_backoff,
+            )
+            r.out_until = trio.current_time() + r.backoff
+            r.failures = 0
+
+    # ------------------------------------------------------------------ routing
+    def _choose(self, h: RouteHints, exclude: Replica | None) -> tuple[Replica | None, bool]:
+        """Best replica with room, and whether any matching replica is available at all."""
+        now = trio.current_time()
+        if not self.gate_open:
+            return None, False
+        cands = [r for r in self.replicas if r is not exclude and r.matches(h)]
+        live = [r for r in cands if r.available(now)]
+        if not live:
+            return None, False
+        cap = self._g.replica_max_inflight
+        roomy = [r for r in live if r.inflight < cap]
+        if not roomy:
+            return None, True
+        if h.affinity_key is not None:
+            mean = sum(r.inflight for r in live) / len(live)
+            limit = math.ceil(_LOAD_BOUND * (mean + 1))
+            for r in sorted(roomy, key=lambda r: _score(h.affinity_key or "", r.url)):
+                if r.inflight < limit:
+                    return r, True
+        return min(roomy, key=lambda r: (r.inflight, r.total)), True
+
+    async def acquire(self, h: RouteHints, k: int, *, exclude: Replica | None = None) -> Replica:
+        """Reserve ``k`` candidate slots on one replica (bounded wait), or raise 503."""
+        with trio.move_on_after(self._g.admission_wait):
+            while True:
+                r, any_live = self._choose(h, exclude)
+                if r is not None:
+                    r.inflight += k
+                    r.total += k
+                    return r
+                if not any_live:
+                    break
+                # every matching replica is full: wait until a slot is released
+                await self._room.wait()
+        any_live = any(r.available(trio.current_time()) for r in self.replicas if r.matches(h))
+        if any_live:
+            raise ServiceUnavailable(
+                f"Every engine of model {self.model!r} is at capacity; retry shortly.",
+                retry_after=self._g.retry_after,
+            )
+        raise ServiceUnavailable(
+            f"Model {self.model!r} is loading or has no ready engine; retry shortly.",
+            retry_after=self._g.retry_after,
+            code="model_loading",
+        )
+
+    def release(self, r: Replica, k: int = 1) -> None:
+        r.inflight -= k
+        self._wake()
+
+    # ------------------------------------------------------------------ health
+    async def run_health_checks(self, client: object) -> None:
+        """Background health checks, one task per replica (runs until cancelled)."""
+        async with trio.open_nursery() as nursery:
+            for r in self.replicas:
+                nursery.start_soon(self._watch, r, client)
+
+    async def _watch(self, r: Replica, client: object) -> None:
+        from .engine_client import EngineClient
+
+        assert isinstance(client, EngineClient)
+        g = self._g
+        while True:
+            ok = False
+            with trio.move_on_after(g.health_timeout):
+                try:
+                    ok = await client.health(r.url)
+                    if ok and not r.info_loaded:
+                        info = await client.server_info(r.url)
+                        r.incremental = bool(info.get("incremental_streaming_output", False))
+                        r.info_loaded = True
+                except Exception:
+                    ok = False
+            if ok:
+                was_out = not r.ready or trio.current_time() < r.out_until
+                r.ready = True
+                r.out_until = 0.0
+                self.record_success(r)
+                if was_out:
+                    self._wake()
+            else:
+                r.ready = False
+                self.record_failure(r)
+            await trio.sleep(
+                g.health_interval if ok or r.info_loaded else min(1.0, g.health_interval)
+            )
+
+
+def _score(key: str, url: str) -> bytes:
+    # Rendezvous (highest-random-weight) hashing: rank replicas by hash(key, url).
+    return hashlib.blake2b(f"{key}\0{url}".encode(), digest_size=8).digest()[::-1]

@@ -1,0 +1,387 @@
+"""The per-request body: one nursery, one task per candidate, one merger.
+
+Theory of operation
+-------------------
+A :class:`GenerationBody` is the Quart response body of a generation request. The HTTP layer
+(``app.GatewayHTTPConnection``) enters it (``__aenter__`` opens the request's nursery and starts
+one task per candidate), then calls :meth:`prime`, which waits for the first upstream event:
+
+* if the engine failed before producing anything, ``prime`` raises the error and the status line
+  carries it (503 + Retry-After, 400, 500, ...) — after one retry on another ready replica when
+  the failure is retryable (nothing reached a model yet);
+* otherwise the status is 200 and the body streams (or, for non-streaming requests, ``prime``
+  collects the whole answer first and the body is one JSON document).
+
+Candidate tasks stream ``/generate`` from the engine, decode SSE from raw bytes with the sans-IO
+decoder, and send ``(index, event)`` into their ``clone()`` of a *bounded* channel. The merger
+runs in the response task itself (``__anext__``): it receives one event, drains whatever else
+is already buffered (coalescing frames that arrive together into one write), feeds the sans-IO
+shaper and returns the encoded frames. A slow client therefore stalls ``__anext__``, which
+stalls the channel, which stalls the candidates, which stop reading upstream: backpressure end
+to end, with no buffer growing. A watchdog aborts the candidates when a single client write has
+been parked for longer than ``client_stall_timeout`` (Hypercorn shields socket writes, so the
+write itself may outlive cancellation; the GPU time is freed regardless).
+
+Every candidate that ends without a terminal event from its engine (client gone, deadline,
+stop string matched by the gateway, best_of loser, error, stall) sends exactly one
+``/abort_request`` for its rid, inside ``move_on_after(abort_timeout, shield=True)``, and its
+upstream connection is closed (never returned to the pool half-read). ``__aexit__`` cancels what
+is still running and waits for the nursery, so nothing outlives the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import trio
+from quart.wrappers.response import ResponseBody
+
+from .core.errors import EngineTimeout, GatewayError, InternalError, UpstreamError
+from .core.events import CandidateDelta, CandidateFinish
+from .core.sse import SSEDecoder
+from .core.upstream import GenerateReader
+from .engine_client import EngineClient
+from .pool import ModelPool, Replica, RouteHints
+from .settings import GatewaySettings
+
+__all__ = ["GenerationBody", "RequestStats", "Shaper"]
+
+log = logging.getLogger("sieproxy.relay")
+
+Event = tuple[int, CandidateDelta | CandidateFinish | GatewayError]
+
+
+class Shaper(Protocol):
+    """The sans-IO response builder the body drives (a chat/completions stream or collector)."""
+
+    def start(self) -> bytes: ...
+
+    def on_delta(self, index: int, delta: CandidateDelta) -> bytes: ...
+
+    def on_finish(self, index: int, finish: CandidateFinish) -> bytes: ...
+
+    def on_error(self, err: GatewayError) -> bytes: ...
+
+    def end(self) -> bytes: ...
+
+    def stopped(self, index: int) -> bool: ...
+
+
+@dataclass(slots=True)
+class RequestStats:
+    """What the access log and metrics record about one request."""
+
+    request_id: str
+    model: str
+    endpoint: str
+    n: int
+    stream: bool
+    replica: str | None = None
+    started: float = 0.0
+    first_token_at: float | None = None
+    abort_causes: dict[str, int] = field(default_factory=dict)
+    retried: bool = False
+    error: GatewayError | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    sdk_version: str | None = None
+
+
+class GenerationBody(ResponseBody):
+    """The response body of one generation request (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        g: GatewaySettings,
+        client: EngineClient,
+        pool: ModelPool,
+        replica: Replica,
+        hints: RouteHints,
+        bodies: list[dict[str, Any]],
+        shaper: Shaper,
+        streaming: bool,
+        stats: RequestStats,
+        losers: Callable[[], list[int]] | None = None,
+        on_done: Callable[[GenerationBody], None] | None = None,
+    ) -> None:
+        self._g = g
+        self._client = client
+        self._pool = pool
+        self.replica = replica
+        self._hints = hints
+        self._bodies = bodies
+        self._shaper = shaper
+        self.streaming = streaming
+        self.stats = stats
+        self._losers = losers
+        self._on_done = on_done
+        k = len(bodies)
+        self._k = k
+        self._terminal = [False] * k  # the engine ended this candidate itself
+        self._scopes: list[trio.CancelScope] = []
+        self._causes: list[str | None] = [None] * k
+        self._recv: trio.MemoryReceiveChannel[Event] | None = None
+        self._nursery_cm: Any = None
+        self._nursery: trio.Nursery | None = None
+        self._pending = b""
+        self._done = False
+        self._held = k  # admission slots held on self.replica
+        self.writing_since: float | None = None  # set by the HTTP layer around each write
+        self._deadline = math.inf
+        self._handled_any = False  # an engine event reached the shaper (no retry after that)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> GenerationBody:
+        self.stats.started = trio.current_time()
+        self._deadline = self.stats.started + self._g.request_deadline
+        self._nursery_cm = trio.open_nursery()
+        self._nursery = await self._nursery_cm.__aenter__()
+        self._launch()
+        self._nursery.start_soon(self._stall_watchdog)
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool | None:
+        self._cancel_all("client" if exc_type is not None else "done")
+        assert self._nursery is not None
+        self._nursery.cancel_scope.cancel()  # stops the watchdog; candidates abort shielded
+        try:
+            return bool(await self._nursery_cm.__aexit__(exc_type, exc, tb))
+        finally:
+            self._release()
+            if self._on_done is not None:
+                self._on_done(self)
+
+    def _release(self) -> None:
+        if self._held:
+            self._pool.release(self.replica, self._held)
+            self._held = 0
+
+    def _launch(self) -> None:
+        assert self._nursery is not None
+        send, recv = trio.open_memory_channel[Event](self._g.channel_size)
+        self._recv = recv
+        self._scopes = [trio.CancelScope(deadline=self._deadline) for _ in range(self._k)]
+        self._terminal = [False] * self._k
+        self._causes = [None] * self._k
+        with send:
+            for i, body in enumerate(self._bodies):
+                self._nursery.start_soon(self._candidate, i, body, send.clone())
+
+    # ------------------------------------------------------------------ candidates
+    async def _candidate(
+        self, i: int, body: dict[str, Any], send: trio.MemorySendChannel[Event]
+    ) -> None:
+        """Stream one candidate from the engine into the channel (theory: module docstring)."""
+        replica = self.replica
+        rid: str = body["rid"]
+        scope = self._scopes[i]
+        reader = GenerateReader(incremental=replica.incremental)
+        err: GatewayError | None = None
+        opened = False
+        with send:
+            with scope:
+                try:
+                    async with self._client.stream_generate(replica.url, body) as chunks:
+                        opened = True
+                        await self._pump(i, chunks, reader, send)
+                except GatewayError as e:
+                    err = e
+                except trio.TooSlowError:
+                    err = EngineTimeout(
+                        "The engine produced no token within the configured gap; "
+                        "the request was aborted."
+                    )
+                    self._causes[i] = self._causes[i] or "timeout"
+            cause = self._causes[i]
+            if scope.cancelled_caught and cause is None:
+                cause = self._causes[i] = "deadline"
+                err = EngineTimeout("The request exceeded its deadline and was aborted.")
+            if opened and not self._terminal[i]:
+                cause = cause or ("error" if err is not None else "client")
+                self.stats.abort_causes[cause] = self.stats.abort_causes.get(cause, 0) + 1
+                with trio.move_on_after(self._g.abort_timeout, shield=True):
+                    try:
+                        await self._client.abort(replica.url, rid)
+                    except GatewayError:
+                        log.warning("abort of %s on %s failed", rid, replica.url)
+            if cause in ("stop", "best_of"):
+                # The gateway ended this candidate; the shaper still needs its finish.
+                await send.send((i, reader.local_finish()))
+            elif err is not None:
+                if isinstance(err, UpstreamError) and not isinstance(err, EngineTimeout):
+                    self._pool.record_failure(replica)
+                if cause not in ("client", "done", "retry", "stall", "error"):
+                    await send.send((i, err))
+            else:
+                self._pool.record_success(replica)
+
+    async def _pump(
+        self,
+        i: int,
+        chunks: Any,
+        reader: GenerateReader,
+        send: trio.MemorySendChannel[Event],
+    ) -> None:
+        decoder = SSEDecoder(self._g.max_sse_line_bytes)
+        gap = self._g.token_gap_timeout
+        it = chunks.__aiter__()
+        while True:
+            with trio.fail_after(gap):
+                try:
+                    raw = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+            for payload in decoder.feed(raw):
+                delta, finish = reader.feed(payload)
+                if finish is not None:
+                    self._terminal[i] = True
+                if delta is not None:
+                    await send.send((i, delta))
+                if finish is not None:
+                    await send.send((i, finish))
+            if reader.done:
+                return
+        decoder.close()
+        reader.eof()
+
+    def _cancel(self, i: int, cause: str) -> None:
+        if self._causes[i] is None:
+            self._causes[i] = cause
+        self._scopes[i].cancel()
+
+    def _cancel_all(self, cause: str) -> None:
+        for i in range(len(self._scopes)):
+            if not self._terminal[i]:
+                self._cancel(i, cause)
+
+    async def _stall_watchdog(self) -> None:
+        limit = self._g.client_stall_timeout
+        while True:
+            await trio.sleep(max(limit / 4, 0.05))
+            since = self.writing_since
+            if since is not None and trio.current_time() - since > limit:
+                log.info("request %s: client stalled; aborting upstream", self.stats.request_id)
+                self._cancel_all("stall")
+                return
+
+    # ------------------------------------------------------------------ merging
+    def _handle(self, ev: Event) -> bytes:
+        i, item = ev
+        if not isinstance(item, GatewayError):
+            self._handled_any = True
+        if isinstance(item, CandidateDelta):
+            if self.stats.first_token_at is None and item.text:
+                self.stats.first_token_at = trio.current_time()
+            out = self._shaper.on_delta(i, item)
+            if self._shaper.stopped(i):
+                self._cancel(i, "stop")
+        elif isinstance(item, CandidateFinish):
+            out = self._shaper.on_finish(i, item)
+        else:
+            raise item
+        if self._losers is not None:
+            for j in self._losers():
+                if not self._terminal[j]:
+                    self._cancel(j, "best_of")
+        return out
+
+    async def _next_frames(self) -> bytes | None:
+        """One merged write: the next event plus everything already buffered (None at end)."""
+        assert self._recv is not None
+        try:
+            ev = await self._recv.receive()
+        except trio.EndOfChannel:
+            return None
+        out = self._handle(ev)
+        while True:
+            try:
+                ev = self._recv.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+            out += self._handle(ev)
+        return out
+
+    async def prime(self) -> bytes:
+        """Wait for the first upstream event (streaming) or the whole answer (not streaming).
+
+        Raises the error that decides the status line if the engine failed before any byte went
+        to the client; retries once on another ready replica when that error is retryable.
+        """
+        retried = False
+        head = self._shaper.start()  # role chunks; sent only if the engine answers
+        while True:
+            try:
+                if self.streaming:
+                    first = await self._next_frames()
+                    if first is None:
+                        self._done = True
+                        return head + self._shaper.end()
+                    return head + first
+                out = b""
+                while (frames := await self._next_frames()) is not None:
+                    out += frames
+                self._done = True
+                return out + self._shaper.end()
+            except UpstreamError as exc:
+                if retried or not exc.retryable or self._handled_any:
+                    raise
+                other = await self._other_replica()
+                if other is None:
+                    raise
+                retried = True
+                self.stats.retried = True
+                await self._restart_on(other)
+
+    async def _other_replica(self) -> Replica | None:
+        try:
+            return await self._pool.acquire(self._hints, self._k, exclude=self.replica)
+        except GatewayError:
+            return None
+
+    async def _restart_on(self, other: Replica) -> None:
+        self._cancel_all("retry")
+        assert self._recv is not None
+        with self._recv:
+            async for _ in self._recv:  # wait for the old candidates to finish their cleanup
+                pass
+        self._release()
+        self.replica = other
+        self._held = self._k
+        self.stats.replica = other.url
+        self._launch()
+
+    def __aiter__(self) -> GenerationBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._pending:
+            out, self._pending = self._pending, b""
+            return out
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            frames = await self._next_frames()
+        except GatewayError as exc:
+            self._done = True
+            self._cancel_all("error")
+            self.stats.error = exc
+            return self._shaper.on_error(exc)
+        except Exception:  # a bug in the core must not cut the stream silently
+            log.exception("request %s: merger failed", self.stats.request_id)
+            self._done = True
+            self._cancel_all("error")
+            err = InternalError("The gateway failed while relaying this response.")
+            self.stats.error = err
+            return self._shaper.on_error(err)
+        if frames is None:
+            self._done = True
+            return self._shaper.end()
+        return frames
+
+    def set_pending(self, data: bytes) -> None:
+        self._pending = data

@@ -1,0 +1,202 @@
+"""Running the gateway: state from settings, background tasks, Hypercorn on Trio, shutdown.
+
+``serve()`` is what ``sieproxy serve`` runs; ``asgi.app`` is the same app for running under the
+``hypercorn`` command with several worker processes (see docs/DEPLOYMENT.md).
+
+Background tasks (in the app's serving nursery): a health watcher per replica, and — for a model
+with no configured chat template — discovery of the template from the engine's ``/model_info``
+(``tokenizer_path``, a local directory when the engine runs on the same host, as the embedded
+CPU engine does). Until discovery has run, the model is not ready (503 "model loading").
+
+Shutdown: on SIGTERM/SIGINT the gateway stops accepting connections, answers new requests on
+open connections with 503, lets in-flight streams run for ``shutdown_grace`` seconds, then
+cancels them — which aborts every unfinished candidate upstream — and stops the engine child.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from dataclasses import replace
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+from quart import Quart
+
+from .app import GatewayState, create_app
+from .auth import Authenticator
+from .child import engine_argv, supervise_child
+from .core.errors import GatewayError
+from .core.profile import ModelProfile
+from .engine_client import EngineClient
+from .observe import Observer
+from .pool import ModelPool
+from .settings import EngineSpec, ModelSettings, Settings
+from .tokenizer_dir import read_tokenizer_dir
+
+__all__ = ["build_app", "build_state", "serve"]
+
+log = logging.getLogger("sieproxy")
+
+
+def effective_models(settings: Settings) -> dict[str, ModelSettings]:
+    """Configured models, plus the embedded engine's model when it is enabled."""
+    models = dict(settings.models)
+    e = settings.embedded_engine
+    if e.enabled:
+        models[e.served_name] = ModelSettings(engines=[EngineSpec(url=f"http://{e.host}:{e.port}")])
+    return models
+
+
+def _profile(name: str, m: ModelSettings, settings: Settings) -> ModelProfile:
+    template, variables = m.chat_template, {}
+    if m.tokenizer:
+        src = read_tokenizer_dir(m.tokenizer)
+        template, variables = src.template, src.variables
+    return ModelProfile(
+        name=name,
+        inputs=frozenset(m.inputs),
+        encode_only=m.encode_only,
+        lora_names=frozenset(m.lora_paths),
+        tool_parser=m.tool_parser,
+        reasoning_parser=m.reasoning_parser,
+        schema_in_prompt=m.schema_in_prompt,
+        default_max_tokens=m.default_max_tokens or settings.gateway.default_max_tokens,
+        max_image_bytes=settings.gateway.max_image_bytes,
+        chat_template=template,
+        template_vars=variables,
+        stop=tuple(m.stop),
+        pools=frozenset(s.pool for s in _specs(m) if s.pool),
+        machine_profiles=frozenset(s.machine_profile for s in _specs(m) if s.machine_profile),
+    )
+
+
+def _specs(m: ModelSettings) -> list[EngineSpec]:
+    return [e if isinstance(e, EngineSpec) else EngineSpec(url=e) for e in m.engines]
+
+
+def build_state(settings: Settings) -> GatewayState:
+    """Everything the routes need (no I/O beyond reading local template files)."""
+    g = settings.gateway
+    models = effective_models(settings)
+    profiles = {name: _profile(name, m, settings) for name, m in models.items()}
+    pools = {name: ModelPool(name, _specs(m), g) for name, m in models.items()}
+    for name, m in models.items():
+        if not m.tokenizer and not m.chat_template:
+            pools[name].gate_open = False  # discover the template from the engine first
+    return GatewayState(
+        settings=settings,
+        profiles=profiles,
+        pools=pools,
+        client=EngineClient(g),
+        auth=Authenticator(g.auth, settings.auth_tokens()),
+        observer=Observer(pools, access_log_enabled=g.access_log),
+    )
+
+
+async def _discover_template(state: GatewayState, model: str) -> None:
+    pool = state.pools[model]
+    while True:
+        for r in pool.replicas:
+            if not r.ready:
+                continue
+            try:
+                info = await state.client.model_info(r.url)
+            except GatewayError:
+                continue
+            path = info.get("tokenizer_path") or info.get("model_path")
+            if isinstance(path, str) and await trio.Path(path).is_dir():
+                try:
+                    src = read_tokenizer_dir(path)
+                except ValueError as exc:
+                    log.warning("model %s: %s", model, exc)
+                else:
+                    if src.template:
+                        state.profiles[model] = replace(
+                            state.profiles[model],
+                            chat_template=src.template,
+                            template_vars=src.variables,
+                        )
+                        log.info("model %s: chat template read from %s", model, path)
+            if state.profiles[model].chat_template is None:
+                log.warning(
+                    "model %s: no chat template configured or discoverable; "
+                    "using the plain role-prefixed rendering",
+                    model,
+                )
+            pool.gate_open = True
+            return
+        await trio.sleep(0.5)
+
+
+def build_app(settings: Settings) -> Quart:
+    """The app with its background tasks wired to Quart-Trio's serving nursery."""
+    state = build_state(settings)
+    app = create_app(state)
+
+    @app.before_serving
+    async def _start_background() -> None:
+        nursery: trio.Nursery = app.nursery  # type: ignore[attr-defined]
+        for name, pool in state.pools.items():
+            nursery.start_soon(pool.run_health_checks, state.client)
+            if not pool.gate_open:
+                nursery.start_soon(_discover_template, state, name)
+
+    @app.after_serving
+    async def _stop_background() -> None:
+        with trio.move_on_after(2, shield=True):
+            await state.client.aclose()
+
+    return app
+
+
+def hypercorn_config(settings: Settings) -> HypercornConfig:
+    g = settings.gateway
+    cfg = HypercornConfig()
+    cfg.bind = [f"{g.host}:{g.port}"]
+    cfg.graceful_timeout = g.shutdown_grace
+    cfg.keep_alive_timeout = 75  # longer than typical client/LB idle timeouts
+    cfg.backlog = 2048
+    cfg.accesslog = None  # the gateway writes its own structured access log
+    cfg.errorlog = "-"
+    cfg.h11_max_incomplete_size = 64 * 1024  # header floods get 400/431 quickly
+    cfg.read_timeout = 120
+    return cfg
+
+
+async def serve(
+    settings: Settings,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+    shutdown_trigger: trio.Event | None = None,
+    app: Quart | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT (or ``shutdown_trigger``); ``task_status`` gets the binds."""
+    if app is None:
+        app = build_app(settings)
+    state: GatewayState = app.extensions["sieproxy"]
+    cfg = hypercorn_config(settings)
+    stop = shutdown_trigger if shutdown_trigger is not None else trio.Event()
+
+    async def _trigger() -> None:
+        await stop.wait()
+        state.draining = True
+        log.info("shutting down: draining %d in-flight requests", len(state.active))
+
+    async with trio.open_nursery() as nursery:
+        e = settings.embedded_engine
+        if e.enabled:
+            argv = engine_argv(e.model, e.host, e.port, e.served_name, e.extra_args)
+            nursery.start_soon(lambda: supervise_child(argv, name="cpu-engine"))
+        if shutdown_trigger is None:
+            nursery.start_soon(_wait_signals, stop)
+        await hypercorn_serve(app, cfg, shutdown_trigger=_trigger, task_status=task_status)  # type: ignore[arg-type]
+        nursery.cancel_scope.cancel()
+
+
+async def _wait_signals(stop: trio.Event) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            stop.set()
+            return

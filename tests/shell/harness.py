@@ -1,0 +1,112 @@
+"""A real gateway (Hypercorn on a loopback port) in front of scripted fake engines."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import httpx
+import trio
+
+from engine.fake import FakeEngine
+from sieproxy.app import GatewayState
+from sieproxy.serve import build_app, serve
+from sieproxy.settings import EngineSpec, GatewaySettings, ModelSettings, Settings
+
+MODEL = "test-model"
+
+#: A tiny ChatML-style template, so rendering is real but predictable.
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass
+class Gateway:
+    url: str
+    client: httpx.AsyncClient
+    engines: list[FakeEngine]
+    state: GatewayState
+    stop: trio.Event
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    async def chat(self, **body: Any) -> httpx.Response:
+        body.setdefault("model", MODEL)
+        body.setdefault("messages", [{"role": "user", "content": "hi"}])
+        return await self.client.post("/v1/chat/completions", json=body)
+
+
+def settings_for(ports: list[int], **gateway: Any) -> Settings:
+    g = GatewaySettings(
+        host="127.0.0.1",
+        port=0,
+        health_interval=0.05,
+        health_timeout=2.0,
+        access_log=False,
+        **gateway,
+    )
+    specs: list[str | EngineSpec] = [
+        EngineSpec(
+            url=f"http://127.0.0.1:{p}", pool=f"pool-{i % 2}", machine_profile=f"profile-{i}"
+        )
+        for i, p in enumerate(ports)
+    ]
+    models = {
+        MODEL: ModelSettings(
+            engines=specs,
+            chat_template=TEMPLATE,
+            inputs=["text", "image"],
+            lora_paths={"my-adapter": "/adapters/my-adapter"},
+        )
+    }
+    return Settings(gateway=g, models=models)
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(
+    engines: list[FakeEngine] | FakeEngine | None = None,
+    *,
+    settings_hook: Callable[[Settings], None] | None = None,
+    wait_ready: bool = True,
+    **gateway: Any,
+) -> AsyncIterator[Gateway]:
+    if engines is None:
+        engines = [FakeEngine()]
+    if isinstance(engines, FakeEngine):
+        engines = [engines]
+    async with trio.open_nursery() as nursery:
+        ports = [await nursery.start(e.serve) for e in engines]
+        settings = settings_for(ports, **gateway)
+        if settings_hook is not None:
+            settings_hook(settings)
+        app = build_app(settings)
+        stop = trio.Event()
+        binds = await nursery.start(partial(serve, settings, shutdown_trigger=stop, app=app))
+        url = binds[0]
+        timeout = httpx.Timeout(30.0)
+        async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
+            gw = Gateway(url, client, engines, app.extensions["sieproxy"], stop)
+            if wait_ready:
+                with trio.fail_after(10):
+                    while (await client.get("/readyz")).status_code != 200:
+                        await trio.sleep(0.02)
+            yield gw
+        stop.set()
+        nursery.cancel_scope.cancel()
+
+
+def sse_events(text: str) -> list[Any]:
+    """Decode an SSE body into JSON objects (``"[DONE]"`` kept as the string)."""
+    out: list[Any] = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        payload = block[len("data: ") :]
+        out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out

@@ -40,7 +40,14 @@ from typing import Any, Protocol
 import trio
 from quart.wrappers.response import ResponseBody
 
-from .core.errors import EngineTimeout, GatewayError, InternalError, UpstreamError
+from .core.errors import (
+    EngineHTTPError,
+    EngineTimeout,
+    EngineUnreachable,
+    GatewayError,
+    InternalError,
+    UpstreamError,
+)
 from .core.events import CandidateDelta, CandidateFinish
 from .core.sse import SSEDecoder
 from .core.upstream import GenerateReader
@@ -184,31 +191,39 @@ class GenerationBody(ResponseBody):
         err: GatewayError | None = None
         opened = False
         with send:
-            with scope:
-                try:
-                    async with self._client.stream_generate(replica.url, body) as chunks:
-                        opened = True
-                        await self._pump(i, chunks, reader, send)
-                except GatewayError as e:
-                    err = e
-                except trio.TooSlowError:
-                    err = EngineTimeout(
-                        "The engine produced no token within the configured gap; "
-                        "the request was aborted."
-                    )
-                    self._causes[i] = self._causes[i] or "timeout"
-            cause = self._causes[i]
-            if scope.cancelled_caught and cause is None:
-                cause = self._causes[i] = "deadline"
-                err = EngineTimeout("The request exceeded its deadline and was aborted.")
-            if opened and not self._terminal[i]:
-                cause = cause or ("error" if err is not None else "client")
-                self.stats.abort_causes[cause] = self.stats.abort_causes.get(cause, 0) + 1
-                with trio.move_on_after(self._g.abort_timeout, shield=True):
+            try:
+                with scope:
                     try:
-                        await self._client.abort(replica.url, rid)
-                    except GatewayError:
-                        log.warning("abort of %s on %s failed", rid, replica.url)
+                        # From here the engine may be generating this rid: an early end aborts
+                        # it, unless the engine itself refused it (no connection, an error
+                        # status before any output).
+                        opened = True
+                        async with self._client.stream_generate(replica.url, body) as chunks:
+                            await self._pump(i, chunks, reader, send)
+                    except GatewayError as e:
+                        err = e
+                        if isinstance(e, EngineUnreachable | EngineHTTPError):
+                            opened = False
+                    except trio.TooSlowError:
+                        err = EngineTimeout(
+                            "The engine produced no token within the configured gap; "
+                            "the request was aborted."
+                        )
+                        self._causes[i] = self._causes[i] or "timeout"
+                if scope.cancelled_caught and self._causes[i] is None:
+                    self._causes[i] = "deadline"
+                    err = EngineTimeout("The request exceeded its deadline and was aborted.")
+            finally:
+                # Runs on every exit, including the client leaving (an outer cancellation).
+                if opened and not self._terminal[i]:
+                    cause = self._causes[i] or ("error" if err is not None else "client")
+                    self.stats.abort_causes[cause] = self.stats.abort_causes.get(cause, 0) + 1
+                    with trio.move_on_after(self._g.abort_timeout, shield=True):
+                        try:
+                            await self._client.abort(replica.url, rid)
+                        except GatewayError:
+                            log.warning("abort of %s on %s failed", rid, replica.url)
+            cause = self._causes[i]
             if cause in ("stop", "best_of"):
                 # The gateway ended this candidate; the shaper still needs its finish.
                 await send.send((i, reader.local_finish()))

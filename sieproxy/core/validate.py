@@ -209,9 +209,20 @@ def _decode(decode: Callable[[bytes], _T], body: bytes) -> _T:
     try:
         return decode(body)
     except msgspec.ValidationError as exc:
+        # msgspec validates while it parses, so a field error can be reported before the JSON
+        # turns out to be truncated or malformed further on: malformed JSON wins.
+        try:
+            _any_json(body)
+        except msgspec.ValidationError:
+            pass  # (a DecodeError subclass) e.g. a number out of range: the typed error says where
+        except msgspec.DecodeError as dexc:
+            raise _decode_error(str(dexc)) from dexc
         raise _validation_error(str(exc)) from exc
     except msgspec.DecodeError as exc:
         raise _decode_error(str(exc)) from exc
+
+
+_any_json = msgspec.json.Decoder().decode
 
 
 # ---------------------------------------------------------------- rules shared by both endpoints

@@ -97,9 +97,9 @@ class GatewayHTTPConnection(TrioASGIHTTPConnection):
                 return
             except Exception:
                 log.exception("request %s failed before the response", body.stats.request_id)
-                err = InternalError("The gateway failed to process this request.")
-                body.stats.error = err
-                await _send_whole(send, _error_response(err, body.stats.request_id))
+                internal = InternalError("The gateway failed to process this request.")
+                body.stats.error = internal
+                await _send_whole(send, _error_response(internal, body.stats.request_id))
                 return
             headers = [
                 (k.lower().encode("latin-1"), v.encode("latin-1"))

@@ -152,7 +152,9 @@ class GenerationBody(ResponseBody):
         self._nursery.start_soon(self._stall_watchdog)
         return self
 
-    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool | None:
+    async def __aexit__(  # type: ignore[override]
+        self, exc_type: Any, exc: Any, tb: Any
+    ) -> bool | None:
         self._cancel_all("client" if exc_type is not None else "done")
         assert self._nursery is not None
         self._nursery.cancel_scope.cancel()  # stops the watchdog; candidates abort shielded
@@ -223,14 +225,14 @@ class GenerationBody(ResponseBody):
                             await self._client.abort(replica.url, rid)
                         except GatewayError:
                             log.warning("abort of %s on %s failed", rid, replica.url)
-            cause = self._causes[i]
-            if cause in ("stop", "best_of"):
+            final_cause = self._causes[i]
+            if final_cause in ("stop", "best_of"):
                 # The gateway ended this candidate; the shaper still needs its finish.
                 await send.send((i, reader.local_finish()))
             elif err is not None:
                 if isinstance(err, UpstreamError) and not isinstance(err, EngineTimeout):
                     self._pool.record_failure(replica)
-                if cause not in ("client", "done", "retry", "stall", "error"):
+                if final_cause not in ("client", "done", "retry", "stall", "error"):
                     await send.send((i, err))
             else:
                 self._pool.record_success(replica)

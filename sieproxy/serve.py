@@ -191,7 +191,7 @@ async def serve(
             nursery.start_soon(lambda: supervise_child(argv, name="cpu-engine"))
         if shutdown_trigger is None:
             nursery.start_soon(_wait_signals, stop)
-        await hypercorn_serve(app, cfg, shutdown_trigger=_trigger, task_status=task_status)  # type: ignore[arg-type]
+        await hypercorn_serve(app, cfg, shutdown_trigger=_trigger, task_status=task_status)
         nursery.cancel_scope.cancel()
 
 

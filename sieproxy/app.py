@@ -164,8 +164,24 @@ def create_app(state: GatewayState) -> Quart:
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
     app.extensions["sieproxy"] = state
 
+    @app.before_request
+    async def _mint_request_id() -> None:
+        request.sie_request_id = _request_id(request)  # type: ignore[attr-defined]
+
+    @app.after_request
+    async def _echo_request_id(resp: Response) -> Response:
+        rid = getattr(request, "sie_request_id", None)
+        if rid and "X-Request-Id" not in resp.headers:
+            resp.headers["X-Request-Id"] = rid
+        return resp
+
+    _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
     @app.errorhandler(GatewayError)
     async def _gateway_error(err: GatewayError) -> Response:
+        endpoint = _ENDPOINTS.get(request.path)
+        if endpoint is not None:  # refusals count too; the model label is never user text
+            state.observer.count_refusal(endpoint, "", err.status)
         return _error_response(err, getattr(request, "sie_request_id", None))
 
     @app.errorhandler(HTTPException)
@@ -212,8 +228,7 @@ def create_app(state: GatewayState) -> Quart:
         state.auth.check(raw.encode("utf-8", "surrogateescape") if raw is not None else None)
 
     async def _generate(endpoint: str) -> Response:
-        rid = _request_id(request)
-        request.sie_request_id = rid  # type: ignore[attr-defined]
+        rid: str = request.sie_request_id  # type: ignore[attr-defined]
         _auth()
         if state.draining:
             raise ServiceUnavailable(
@@ -274,7 +289,6 @@ def create_app(state: GatewayState) -> Quart:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        request.sie_request_id = _request_id(request)  # type: ignore[attr-defined]
         _auth()
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "sieproxy"}

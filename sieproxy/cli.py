@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.gateway.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # httpx logs every upstream request (health checks included) at INFO: too chatty.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.root.level))
+    logging.getLogger("httpcore").setLevel(max(logging.WARNING, logging.root.level))
     from .serve import serve
 
     try:

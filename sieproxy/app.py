@@ -154,6 +154,12 @@ async def _read_body(req: Request, g_max: int, timeout: float) -> bytes:
     return cast(bytes, data)
 
 
+def _body_consumed(req: Request) -> bool:
+    body = req.body
+    complete = getattr(body, "_complete", None)
+    return complete is None or bool(complete.is_set() and not getattr(body, "_data", b""))
+
+
 def create_app(state: GatewayState) -> Quart:
     """Build the Quart-Trio app around a ready :class:`GatewayState`."""
     app = GatewayApp("sieproxy")
@@ -173,6 +179,10 @@ def create_app(state: GatewayState) -> Quart:
         rid = getattr(request, "sie_request_id", None)
         if rid and "X-Request-Id" not in resp.headers:
             resp.headers["X-Request-Id"] = rid
+        if resp.status_code >= 400 and not _body_consumed(request):
+            # Refused before the upload was read (401, 413, bad content type): the unread body
+            # would wedge a kept-alive connection, so this answer closes it.
+            resp.headers["Connection"] = "close"
         return resp
 
     _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}

@@ -7,4 +7,5 @@ checks, client); the gateway keeps no shared state, so workers scale out behind 
 from .serve import build_app
 from .settings import load_settings
 
+__all__ = ["app"]
 app = build_app(load_settings())

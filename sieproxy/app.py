@@ -83,11 +83,30 @@ def _error_response(err: GatewayError, request_id: str | None = None) -> Respons
 class GatewayHTTPConnection(TrioASGIHTTPConnection):
     """Sends generation bodies only after priming them (see the module docstring)."""
 
+    async def handle_request(  # type: ignore[override]
+        self, nursery: Any, request: Any, send: Any
+    ) -> None:
+        try:
+            await super().handle_request(nursery, request, send)
+        finally:
+            # A client gone between the view and the body leaves a body never entered:
+            # give back its admission slots (entered bodies release in __aexit__).
+            body = getattr(request, "sie_body", None)
+            if isinstance(body, GenerationBody) and not body.entered:
+                body.discard()
+                body.active.discard(body)
+
     async def _send_response(self, send: Any, response: Any) -> None:
         body = getattr(response, "response", None)
         if not isinstance(body, GenerationBody):
             await super()._send_response(send, response)
             return
+        try:
+            await self._send_generation(send, response, body)
+        finally:
+            body.active.discard(body)  # only once its last byte is out (graceful drain)
+
+    async def _send_generation(self, send: Any, response: Any, body: GenerationBody) -> None:
         async with body:
             try:
                 head = await body.prime()
@@ -191,7 +210,12 @@ def create_app(state: GatewayState) -> Quart:
     async def _gateway_error(err: GatewayError) -> Response:
         endpoint = _ENDPOINTS.get(request.path)
         if endpoint is not None:  # refusals count too; the model label is never user text
-            state.observer.count_refusal(endpoint, "", err.status)
+            state.observer.refusal(
+                endpoint,
+                err,
+                request_id=getattr(request, "sie_request_id", None),
+                sdk_version=request.headers.get("X-SIE-SDK-Version"),
+            )
         return _error_response(err, getattr(request, "sie_request_id", None))
 
     @app.errorhandler(HTTPException)
@@ -275,6 +299,8 @@ def create_app(state: GatewayState) -> Quart:
             on_done=lambda b: _finish(b, plan.usage),
         )
         state.active.add(body)
+        body.active = state.active
+        request.sie_body = body  # type: ignore[attr-defined]
         ctype = "text/event-stream" if plan.stream else _JSON_CT
         resp = Response(body, status=200, content_type=ctype)
         resp.timeout = None
@@ -285,7 +311,6 @@ def create_app(state: GatewayState) -> Quart:
         return resp
 
     def _finish(body: GenerationBody, usage: Callable[[], tuple[int, int]]) -> None:
-        state.active.discard(body)
         body.stats.prompt_tokens, body.stats.completion_tokens = usage()
         state.observer.request_done(body.stats)
 

@@ -4,8 +4,17 @@ Each Hypercorn worker process imports this module and builds its own state (pool
 checks, client); the gateway keeps no shared state, so workers scale out behind one port.
 """
 
+import logging
+
 from .serve import build_app
 from .settings import load_settings
 
 __all__ = ["app"]
-app = build_app(load_settings())
+
+_settings = load_settings()
+logging.basicConfig(
+    level=_settings.gateway.log_level.upper(),
+    format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+)
+logging.getLogger("httpx").setLevel(logging.WARNING)
+app = build_app(_settings)

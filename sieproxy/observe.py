@@ -12,7 +12,7 @@ a bearer token, a prompt, generated text or ``user``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import msgspec
 import trio
@@ -21,6 +21,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from .core.errors import GatewayError
 from .pool import ModelPool
 from .relay import RequestStats
 
@@ -33,8 +34,9 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 
 
 class _PoolCollector(Collector):
-    def __init__(self, pools: dict[str, ModelPool]) -> None:
+    def __init__(self, pools: dict[str, ModelPool], inflight: Callable[[], dict[str, int]]) -> None:
         self._pools = pools
+        self._inflight = inflight
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         inflight = GaugeMetricFamily(
@@ -55,12 +57,27 @@ class _PoolCollector(Collector):
             for r in pool.replicas:
                 inflight.add_metric([model, r.url], r.inflight)
                 healthy.add_metric([model, r.url], 1.0 if r.available(now) else 0.0)
+        requests = GaugeMetricFamily(
+            "sieproxy_inflight_requests",
+            "Generation requests in flight (admitted, not yet fully sent).",
+            labels=["model"],
+        )
+        counts = self._inflight()
+        for model in self._pools:
+            requests.add_metric([model], counts.get(model, 0))
         yield inflight
         yield healthy
+        yield requests
 
 
 class Observer:
-    def __init__(self, pools: dict[str, ModelPool], *, access_log_enabled: bool = True) -> None:
+    def __init__(
+        self,
+        pools: dict[str, ModelPool],
+        *,
+        access_log_enabled: bool = True,
+        inflight: Callable[[], dict[str, int]] = dict,
+    ) -> None:
         self.registry = CollectorRegistry()
         self._access = access_log_enabled
         r = self.registry
@@ -109,13 +126,34 @@ class Observer:
             ["model"],
             registry=r,
         )
-        r.register(_PoolCollector(pools))
+        r.register(_PoolCollector(pools, inflight))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def count_refusal(self, endpoint: str, model: str, status: int) -> None:
-        self.requests.labels(endpoint, model, str(status)).inc()
+    def refusal(
+        self,
+        endpoint: str,
+        err: GatewayError,
+        *,
+        request_id: str | None,
+        sdk_version: str | None,
+    ) -> None:
+        """A request answered with an error before it ran (no model label: it may be unknown)."""
+        self.requests.labels(endpoint, "", str(err.status)).inc()
+        if self._access and access_log.isEnabledFor(logging.INFO):
+            access_log.info(
+                _enc.encode(
+                    {
+                        "request_id": request_id,
+                        "endpoint": endpoint,
+                        "model": None,
+                        "status": err.status,
+                        "error_code": err.code,
+                        "sdk_version": sdk_version,
+                    }
+                ).decode()
+            )
 
     def request_done(self, s: RequestStats) -> None:
         now = trio.current_time()

@@ -15,8 +15,10 @@ Admission: a replica holds at most ``replica_max_inflight`` candidates. When eve
 replica is full the request waits (bounded by ``admission_wait``), then gets 503 + Retry-After.
 
 Health: a background task per replica polls ``/health`` (and ``/server_info`` once, to learn the
-text mode). A replica that fails ``breaker_failures`` checks or requests in a row is taken out
-for a backoff that doubles up to ``breaker_backoff_max``; a successful check puts it back.
+text mode). A failed check takes a replica out until a check passes again. Requests failing
+with a server-side error ``breaker_failures`` times in a row take it out for a backoff that
+doubles up to ``breaker_backoff_max`` (a successful request resets the streak); passing health
+checks do not cut that backoff short, and client errors (4xx) never count.
 """
 
 from __future__ import annotations
@@ -121,8 +123,11 @@ class ModelPool:
             r.failures = 0
 
     # ------------------------------------------------------------------ routing
-    def _choose(self, h: RouteHints, exclude: Replica | None) -> tuple[Replica | None, bool]:
-        """Best replica with room, and whether any matching replica is available at all."""
+    def _choose(
+        self, h: RouteHints, k: int, exclude: Replica | None
+    ) -> tuple[Replica | None, bool]:
+        """Best replica with room for ``k`` candidates, and whether any matching replica is
+        available at all. A request larger than the cap may still run alone on an idle one."""
         now = trio.current_time()
         if not self.gate_open:
             return None, False
@@ -131,7 +136,7 @@ class ModelPool:
         if not live:
             return None, False
         cap = self._g.replica_max_inflight
-        roomy = [r for r in live if r.inflight < cap]
+        roomy = [r for r in live if r.inflight + k <= cap or r.inflight == 0]
         if not roomy:
             return None, True
         if h.affinity_key is not None:
@@ -146,7 +151,7 @@ class ModelPool:
         """Reserve ``k`` candidate slots on one replica (bounded wait), or raise 503."""
         with trio.move_on_after(self._g.admission_wait):
             while True:
-                r, any_live = self._choose(h, exclude)
+                r, any_live = self._choose(h, k, exclude)
                 if r is not None:
                     r.inflight += k
                     r.total += k
@@ -155,7 +160,8 @@ class ModelPool:
                     break
                 # every matching replica is full: wait until a slot is released
                 await self._room.wait()
-        any_live = any(r.available(trio.current_time()) for r in self.replicas if r.matches(h))
+        now = trio.current_time()
+        any_live = self.gate_open and any(r.available(now) for r in self.replicas if r.matches(h))
         if any_live:
             raise ServiceUnavailable(
                 f"Every engine of model {self.model!r} is at capacity; retry shortly.",
@@ -194,16 +200,13 @@ class ModelPool:
                         r.info_loaded = True
                 except Exception:
                     ok = False
-            if ok:
-                was_out = not r.ready or trio.current_time() < r.out_until
+            # Checks decide readiness only. The request breaker (out_until) is left alone: a
+            # replica whose /health passes but whose requests fail stays out for its backoff.
+            if ok and not r.ready:
                 r.ready = True
-                r.out_until = 0.0
-                self.record_success(r)
-                if was_out:
-                    self._wake()
-            else:
+                self._wake()
+            elif not ok:
                 r.ready = False
-                self.record_failure(r)
             await trio.sleep(
                 g.health_interval if ok or r.info_loaded else min(1.0, g.health_interval)
             )

@@ -141,9 +141,20 @@ class GenerationBody(ResponseBody):
         self.writing_since: float | None = None  # set by the HTTP layer around each write
         self._deadline = math.inf
         self._handled_any = False  # an engine event reached the shaper (no retry after that)
+        self.entered = False
+        #: The set of in-flight bodies this one belongs to (the HTTP layer maintains it).
+        self.active: set[GenerationBody] = set()
 
     # ------------------------------------------------------------------ lifecycle
+    def discard(self) -> None:
+        """The body will never be entered (the client left first): release what it holds."""
+        self._release()
+        if self._on_done is not None:
+            self._on_done(self)
+            self._on_done = None
+
     async def __aenter__(self) -> GenerationBody:
+        self.entered = True
         self.stats.started = trio.current_time()
         self._deadline = self.stats.started + self._g.request_deadline
         self._nursery_cm = trio.open_nursery()
@@ -230,7 +241,7 @@ class GenerationBody(ResponseBody):
                 # The gateway ended this candidate; the shaper still needs its finish.
                 await send.send((i, reader.local_finish()))
             elif err is not None:
-                if isinstance(err, UpstreamError) and not isinstance(err, EngineTimeout):
+                if isinstance(err, UpstreamError) and err.status >= 500:
                     self._pool.record_failure(replica)
                 if final_cause not in ("client", "done", "retry", "stall", "error"):
                     await send.send((i, err))
@@ -345,7 +356,9 @@ class GenerationBody(ResponseBody):
                 self._done = True
                 return out + self._shaper.end()
             except UpstreamError as exc:
-                if retried or not exc.retryable or self._handled_any:
+                # Nothing reached the client yet: a server-side failure is retried once on
+                # another ready replica; a refusal of the request itself (4xx) is not.
+                if retried or self._handled_any or not (exc.retryable or exc.status >= 500):
                     raise
                 other = await self._other_replica()
                 if other is None:

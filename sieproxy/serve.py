@@ -29,10 +29,14 @@ from .auth import Authenticator
 from .child import engine_argv, supervise_child
 from .core.errors import GatewayError
 from .core.profile import ModelProfile
+from .core.reasoning import make_reasoning_parser
+from .core.template import check_template
+from .core.toolparse import make_tool_parser
 from .engine_client import EngineClient
 from .observe import Observer
 from .pool import ModelPool
-from .settings import EngineSpec, ModelSettings, Settings
+from .relay import GenerationBody
+from .settings import ConfigError, EngineSpec, ModelSettings, Settings
 from .tokenizer_dir import read_tokenizer_dir
 
 __all__ = ["build_app", "build_state", "serve"]
@@ -76,22 +80,54 @@ def _specs(m: ModelSettings) -> list[EngineSpec]:
     return [e if isinstance(e, EngineSpec) else EngineSpec(url=e) for e in m.engines]
 
 
+def _check_profile(p: ModelProfile) -> None:
+    """Fail at start, naming the key, for what would otherwise be a 500 on every request."""
+    key = f"models.{p.name}"
+    try:
+        make_tool_parser(p.tool_parser, tool_names=())
+    except ValueError as exc:
+        raise ConfigError(f"key `{key}.tool_parser`: {exc}") from None
+    try:
+        make_reasoning_parser(p.reasoning_parser, enable_thinking=None)
+    except ValueError as exc:
+        raise ConfigError(f"key `{key}.reasoning_parser`: {exc}") from None
+    if p.chat_template is not None:
+        try:
+            check_template(p.chat_template)
+        except GatewayError:
+            raise ConfigError(f"key `{key}`: the chat template does not compile") from None
+
+
 def build_state(settings: Settings) -> GatewayState:
     """Everything the routes need (no I/O beyond reading local template files)."""
     g = settings.gateway
     models = effective_models(settings)
-    profiles = {name: _profile(name, m, settings) for name, m in models.items()}
+    try:
+        profiles = {name: _profile(name, m, settings) for name, m in models.items()}
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    for p in profiles.values():
+        _check_profile(p)
     pools = {name: ModelPool(name, _specs(m), g) for name, m in models.items()}
     for name, m in models.items():
         if not m.tokenizer and not m.chat_template:
             pools[name].gate_open = False  # discover the template from the engine first
+    active: set[GenerationBody] = set()
+
+    def inflight() -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for b in active:
+            counts[b.stats.model] = counts.get(b.stats.model, 0) + 1
+        return counts
+
     return GatewayState(
         settings=settings,
         profiles=profiles,
         pools=pools,
         client=EngineClient(g),
         auth=Authenticator(g.auth, settings.auth_tokens()),
-        observer=Observer(pools, access_log_enabled=g.access_log),
+        observer=Observer(pools, access_log_enabled=g.access_log, inflight=inflight),
+        active=active,
     )
 
 
@@ -161,7 +197,8 @@ def hypercorn_config(settings: Settings) -> HypercornConfig:
     cfg.accesslog = None  # the gateway writes its own structured access log
     cfg.errorlog = "-"
     cfg.h11_max_incomplete_size = 64 * 1024  # header floods get 400/431 quickly
-    cfg.read_timeout = 120
+    # No cfg.read_timeout: Hypercorn applies it while a response is still being sent, which
+    # would cut long streams; request bodies are bounded by Quart's BODY_TIMEOUT instead.
     return cfg
 
 
@@ -184,6 +221,15 @@ async def serve(
         state.draining = True
         log.info("shutting down: draining %d in-flight requests", len(state.active))
 
+    async def _drain(nursery: trio.Nursery) -> None:
+        # Hypercorn's trio worker waits out the whole grace period while any idle keep-alive
+        # connection is open; return as soon as the in-flight responses are all sent instead.
+        await stop.wait()
+        with trio.move_on_after(settings.gateway.shutdown_grace):
+            while state.active:  # noqa: ASYNC110 - bounded polling, during shutdown only
+                await trio.sleep(0.02)
+        nursery.cancel_scope.cancel()
+
     async with trio.open_nursery() as nursery:
         e = settings.embedded_engine
         if e.enabled:
@@ -191,6 +237,7 @@ async def serve(
             nursery.start_soon(lambda: supervise_child(argv, name="cpu-engine"))
         if shutdown_trigger is None:
             nursery.start_soon(_wait_signals, stop)
+        nursery.start_soon(_drain, nursery)
         await hypercorn_serve(app, cfg, shutdown_trigger=_trigger, task_status=task_status)
         nursery.cancel_scope.cancel()
 

@@ -138,7 +138,6 @@ class EmbeddedEngine(_Conf):
     host: str = "127.0.0.1"
     port: int = 30100
     extra_args: list[str] = field(default_factory=list)
-    startup_timeout: float = 900.0
 
 
 class Settings(_Conf):
@@ -233,6 +232,14 @@ def _check(s: Settings, where: str) -> None:
     def bad(key: str, problem: str) -> ConfigError:
         return ConfigError(f"{where}: key `{key}`: {problem}")
 
+    if g.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise bad("gateway.log_level", "one of debug, info, warning, error, critical")
+    for key in ("retry_after", "breaker_failures", "max_image_bytes"):
+        if getattr(g, key) < 1:
+            raise bad(f"gateway.{key}", "must be >= 1")
+    for key in ("admission_wait", "breaker_backoff", "breaker_backoff_max"):
+        if getattr(g, key) < 0:
+            raise bad(f"gateway.{key}", "must be >= 0 seconds")
     if not 0 <= g.port <= 65535:
         raise bad("gateway.port", "must be in [0, 65535]")
     if g.default_max_tokens < 1:

@@ -1,0 +1,564 @@
+"""``python -m bench SUBCOMMAND``: the gateway's own cost, side by side with direct, nginx, LiteLLM.
+
+Subcommands (each writes bench/out/<time>-<name>.json, prints a Markdown summary, and rewrites
+its own section of bench/RESULTS.md plus SVG plots beside it):
+
+    relay       CPU per relayed chunk, latency, throughput: targets × n × clients × ITL, repeated
+    latency     added TTFT at one client (n = 1) and n = 16 fan-out (all first tokens)
+    disconnect  clients leave after k chunks; the engine counts the generations it saw end early
+    soak        many concurrent streams for minutes, clients joining and leaving; memory, leaks
+    workers     one vs two Hypercorn worker processes behind one port (saturated throughput)
+
+Method: docs/BENCH-METHOD.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import report as R
+from bench import targets as T
+from bench.runner import PROGRESS, Bench, Layout, machine, raise_nofile, run_loadgen, versions
+from bench.runner import wait_engine_idle as idle
+
+BENCH_DIR = Path(__file__).resolve().parent
+
+
+def _csv(conv):
+    return lambda s: [conv(x) for x in s.split(",") if x]
+
+
+def _common(p: argparse.ArgumentParser, targets: str, duration: float) -> None:
+    p.add_argument("--targets", type=_csv(str), default=targets.split(","))
+    p.add_argument("--tokens", type=int, default=200, help="tokens per response (default 200)")
+    p.add_argument("--ttft-ms", type=float, default=0.0, help="engine time to first token")
+    p.add_argument("--duration", type=float, default=duration, help="measurement window, s")
+    p.add_argument("--warmup", type=float, default=None, help="s before the window (default: "
+                   "the ramp plus 1.5 s)")
+    p.add_argument("--repeat", type=int, default=2, help="rounds of alternating targets")
+    p.add_argument("--quick", action="store_true", help="short windows, one round")
+    p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
+    p.add_argument("--engine", choices=("fast", "fake"), default="fast",
+                   help="fast: bench/fastengine.py; fake: engine/fake.py")
+    p.add_argument("--cumulative", action="store_true",
+                   help="engine sends cumulative text (default: incremental deltas)")
+    p.add_argument("--no-results", action="store_true", help="do not touch bench/RESULTS.md")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("relay", help="CPU/chunk, latency, throughput side by side")
+    _common(r, "direct,sieproxy,nginx,litellm", 10.0)
+    r.add_argument("--n", type=_csv(int), default=[1, 4, 16])
+    r.add_argument("--concurrency", type=_csv(int), default=[1, 64, 512])
+    r.add_argument("--itl-ms", type=_csv(float), default=[0.0, 20.0])
+    r.add_argument("--rate", type=float, default=None,
+                   help="open loop: Poisson arrivals per second instead of fixed clients")
+    la = sub.add_parser("latency", help="added TTFT (1 client) and n=16 fan-out")
+    _common(la, "direct,sieproxy,nginx,litellm", 10.0)
+    la.set_defaults(tokens=16, repeat=3)
+    la.add_argument("--n", type=_csv(int), default=[1, 16])
+    la.add_argument("--itl-ms", type=float, default=20.0)
+    d = sub.add_parser("disconnect", help="clients leave after k chunks; aborts at the engine")
+    _common(d, "direct,sieproxy,nginx,litellm", 10.0)
+    d.set_defaults(repeat=1)
+    d.add_argument("--concurrency", type=int, default=64)
+    d.add_argument("--after", type=int, default=5, help="content chunks before leaving")
+    d.add_argument("--itl-ms", type=float, default=20.0)
+    s = sub.add_parser("soak", help="many streams for minutes; joins, leaves, memory, leaks")
+    _common(s, "sieproxy", 0.0)
+    s.set_defaults(repeat=1)
+    s.add_argument("--streams", type=int, default=1000)
+    s.add_argument("--minutes", type=float, default=5.0)
+    s.add_argument("--itl-ms", type=float, default=50.0)
+    s.add_argument("--leave-fraction", type=float, default=0.1,
+                   help="share of requests whose client leaves mid-stream")
+    s.add_argument("--leave-after", type=int, default=20)
+    w = sub.add_parser("workers", help="1 vs 2 Hypercorn workers (unpinned, saturated)")
+    _common(w, "hypercorn-w1,hypercorn-w2", 10.0)
+    w.add_argument("--concurrency", type=int, default=256)
+    w.add_argument("--itl-ms", type=float, default=0.0)
+    return p
+
+
+# ---- helpers --------------------------------------------------------------------------------
+
+
+def _bench(a: argparse.Namespace, pin: bool = True) -> Bench:
+    if a.quick:
+        a.repeat = 1
+        a.duration = min(a.duration, 5.0) if a.duration else a.duration
+    return Bench(
+        Layout.make(pin and not a.no_pin), tokens=a.tokens, ttft_ms=a.ttft_ms,
+        duration=a.duration, warmup=a.warmup, incremental=not a.cumulative,
+    )
+
+
+def _engine(b: Bench, a: argparse.Namespace, itl: float) -> T.Proc:
+    PROGRESS.phase(f"starting {a.engine} engine (ITL {itl:g} ms) ...")
+    return T.start_engine(b.ttft_ms, itl, b.tokens, b.layout.harness, b.incremental, a.engine)
+
+
+def _rotate(xs: list[str], k: int) -> list[str]:
+    k %= max(1, len(xs))
+    return xs[k:] + xs[:k]
+
+
+def _strip(run: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in run.items() if not k.endswith("_samples")}
+
+
+def _meta(a: argparse.Namespace, b: Bench) -> dict[str, Any]:
+    return {
+        "command": "python -m bench " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "versions": versions("litellm" in getattr(a, "targets", [])),
+        "machine": machine(),
+        "layout": {"sut_cpus": b.layout.sut, "engine_and_loadgen_cpus": b.layout.harness},
+        "engine": {"kind": a.engine, "tokens": b.tokens, "ttft_ms": b.ttft_ms,
+                   "incremental": b.incremental},
+        "unavailable": b.unavailable,
+    }
+
+
+def _header(name: str, meta: dict[str, Any]) -> str:
+    v = ", ".join(f"{k} {x}" for k, x in meta["versions"].items() if x)
+    m = meta["machine"]
+    lay = meta["layout"]
+    pin = (f"SUT pinned to CPU {lay['sut_cpus']}, engine + load generator to CPU "
+           f"{lay['engine_and_loadgen_cpus']}" if lay["sut_cpus"] else "unpinned")
+    e = meta["engine"]
+    lines = [
+        f"## {name} — {meta['date']}", "",
+        f"Command: `{meta['command']}`", "",
+        f"Machine: {m['nproc']} CPUs ({m['cpu']}), {m['mem_gib']} GiB, Linux {m['kernel']}; "
+        f"{pin}.", "",
+        f"Versions: {v}.", "",
+        f"Engine: `{e['kind']}` ({'incremental' if e['incremental'] else 'cumulative'} text), "
+        f"{e['tokens']} tokens per response, TTFT {e['ttft_ms']:g} ms.", "",
+    ]
+    for t, why in meta.get("unavailable", {}).items():
+        lines += [f"Target `{t}` could not be run: {why}", ""]
+    return "\n".join(lines)
+
+
+def _save(name: str, meta: dict[str, Any], runs: list[dict[str, Any]], extra: Any = None) -> Path:
+    T.OUT.mkdir(parents=True, exist_ok=True)
+    path = T.OUT / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}.json"
+    path.write_text(json.dumps({"meta": meta, "runs": runs, "extra": extra}, indent=1))
+    return path
+
+
+def _finish(a: argparse.Namespace, name: str, md: str, verdicts: list[dict[str, Any]],
+            path: Path) -> None:
+    PROGRESS.done()
+    md = md + "\n\nTargets from this run:\n\n" + R.targets_table(verdicts) + "\n"
+    print(md)
+    print(f"(raw results: {path})", file=sys.stderr)
+    if not a.no_results:
+        R.write_section(name, md, verdicts)
+        print(f"(section `{name}` of {R.RESULTS} rewritten)", file=sys.stderr)
+
+
+def _measure(b: Bench, tgt: T.Target, eng: T.Proc, label: str, **kw: Any) -> dict[str, Any]:
+    idle(eng.port)
+    cfg = b.load_cfg(tgt, eng, **kw)
+    res = run_loadgen(cfg, b.layout, label)
+    res.update(target=tgt.name, n=kw["n"], concurrency=kw["concurrency"], itl_ms=kw["itl_ms"])
+    return res
+
+
+# ---- relay ----------------------------------------------------------------------------------
+
+
+def cmd_relay(a: argparse.Namespace) -> None:
+    b = _bench(a)
+    runs: list[dict[str, Any]] = []
+    total = len(a.itl_ms) * len(a.n) * len(a.concurrency) * a.repeat * len(a.targets)
+    k = 0
+    for itl in a.itl_ms:
+        eng = _engine(b, a, itl)
+        tg: dict[str, T.Target] = {}
+        try:
+            tg = b.start_targets(a.targets, eng.port)
+            for n in a.n:
+                for c in a.concurrency:
+                    for rep in range(a.repeat):
+                        for name in _rotate([t for t in a.targets if t in tg], rep):
+                            k += 1
+                            label = (f"[{k}/{total}] n={n} c={c} itl={itl:g}ms {name} "
+                                     f"rep {rep + 1}/{a.repeat}")
+                            extra = {"rate": a.rate, "max_inflight": c} if a.rate else {}
+                            r = _measure(b, tg[name], eng, label, n=n, concurrency=c,
+                                         itl_ms=itl, **extra)
+                            r["repeat"] = rep
+                            runs.append(r)
+        finally:
+            for t in tg.values():
+                t.stop()
+            eng.stop()
+    meta = _meta(a, b)
+    path = _save("relay", meta, [_strip(r) for r in runs])
+    ratios = R.pair_ratios(runs)
+    order = [t for t in ["direct", "sieproxy", "nginx", "litellm"] if t in a.targets]
+    order += [t for t in a.targets if t not in order]
+    # plots
+    plots = []
+    cpu_groups = []
+    for key in sorted({R.scen_key(r) for r in runs}):
+        g = {}
+        for t in order:
+            v = R.med([r.get("sut_cpu_us_per_chunk") for r in runs
+                       if R.scen_key(r) == key and r["target"] == t and "error" not in r])
+            if v:
+                g[t] = v
+        if g:
+            cpu_groups.append((f"n{key[0]} c{key[1]} {key[2]:g}ms", g))
+    if cpu_groups:
+        R.bars_svg(cpu_groups, "SUT CPU per relayed chunk (µs, log scale)", "µs / chunk",
+                   BENCH_DIR / "relay-cpu.svg")
+        plots.append("relay-cpu.svg")
+    keys = sorted({R.scen_key(r) for r in runs})
+    ttft_key = next((k2 for k2 in keys if k2[1] == 1), keys[0] if keys else None)
+    gap_key = max((k2 for k2 in keys if k2[2] > 0), key=lambda k2: k2[1], default=None)
+    if ttft_key:
+        R.cdf_svg({t: [x for r in runs if R.scen_key(r) == ttft_key and r["target"] == t
+                       for x in r.get("ttft_samples", [])] for t in order},
+                  f"TTFT, n={ttft_key[0]}, {ttft_key[1]} client(s), ITL {ttft_key[2]:g} ms",
+                  "ms (log)", BENCH_DIR / "relay-ttft.svg")
+        plots.append("relay-ttft.svg")
+    if gap_key:
+        R.cdf_svg({t: [x for r in runs if R.scen_key(r) == gap_key and r["target"] == t
+                       for x in r.get("gap_samples", [])] for t in order},
+                  f"Inter-chunk gap, n={gap_key[0]}, {gap_key[1]} clients, ITL {gap_key[2]:g} ms",
+                  "ms (log)", BENCH_DIR / "relay-gap.svg")
+        plots.append("relay-gap.svg")
+    md = _header("relay", meta)
+    md += ("\nMedians over repeats. *chunk* = one SSE `data:` event other than `[DONE]`; CPU is "
+           "the SUT's whole process tree (schedstat) over the window ÷ chunks received in it; "
+           "engine and load-generator CPU per chunk show whether the harness kept up. `direct` "
+           "and `nginx` serve n > 1 as n parallel n = 1 requests.\n\n")
+    md += R.relay_table(runs, order) + "\n\nRatios within each round (median over rounds):\n\n"
+    md += R.ratio_table(ratios) + "\n\n" + " ".join(f"![{p}]({p})" for p in plots)
+    verdicts = relay_verdicts(runs, ratios)
+    _finish(a, "relay", md, verdicts, path)
+
+
+def relay_verdicts(runs: list[dict[str, Any]], ratios: dict) -> list[dict[str, Any]]:
+    out = []
+    cands = [r for r in runs if r["target"] == "sieproxy" and r["n"] == 1 and r["itl_ms"] == 20
+             and "error" not in r]
+    at = 256 if any(r["concurrency"] == 256 for r in cands) else max(
+        (r["concurrency"] for r in cands), default=None)
+    if at is None:
+        return [R.verdict("CPU/relayed chunk n=1, 20 ms ITL, 256 clients ≤ 60 µs", None, "—")]
+    cpu = R.med([r.get("sut_cpu_us_per_chunk") for r in cands if r["concurrency"] == at])
+    rat = ratios.get((1, at, 20.0), {})
+    note = "" if at == 256 else f" (measured at {at} clients)"
+    errs = sum(R.nerr(r) for r in cands if r["concurrency"] == at)
+    cps = R.med([r["chunks_per_s"] for r in cands if r["concurrency"] == at])
+    dcps = R.med([r["chunks_per_s"] for r in runs if r["target"] == "direct" and r["n"] == 1
+                  and r["itl_ms"] == 20 and r["concurrency"] == at and "error" not in r])
+    out.append(R.verdict(
+        "CPU/relayed chunk, n=1, 20 ms ITL, 256 clients ≤ 60 µs",
+        cpu is not None and cpu <= 60,
+        f"{R.fmt(cpu)} µs{note}; relayed {R.fmt(cps, 0)} chunks/s vs {R.fmt(dcps, 0)} direct; "
+        f"{errs} errors",
+    ))
+    sn = rat.get("cpu_sieproxy_over_nginx")
+    out.append(R.verdict("… within 2.5× nginx (same run)", None if sn is None else sn <= 2.5,
+                         f"{R.fmt(sn, 2)}× nginx{note}"))
+    ls = rat.get("cpu_litellm_over_sieproxy")
+    out.append(R.verdict("… 20× cheaper than LiteLLM (same run)",
+                         None if ls is None else ls >= 20,
+                         f"LiteLLM ÷ sieproxy = {R.fmt(ls, 1)}×{note}"))
+    big = [r for r in runs if r["target"] == "sieproxy" and r["concurrency"] >= 1000
+           and r["itl_ms"] == 50 and "error" not in r]
+    if big:
+        r = big[0]
+        g99 = R.p(r, "gap_ms", "p99")
+        ok = R.nerr(r) == 0 and g99 is not None and g99 < 100
+        out.append(R.verdict("1,000 open streams at 50 ms ITL, no errors, p99 gap < 100 ms", ok,
+                             f"{R.nerr(r)} errors, p99 gap {R.fmt(g99)} ms, "
+                             f"{R.fmt(r['chunks_per_s'], 0)} chunks/s"))
+    return out
+
+
+# ---- latency --------------------------------------------------------------------------------
+
+
+def cmd_latency(a: argparse.Namespace) -> None:
+    b = _bench(a)
+    runs: list[dict[str, Any]] = []
+    eng = _engine(b, a, a.itl_ms)
+    tg: dict[str, T.Target] = {}
+    try:
+        tg = b.start_targets(a.targets, eng.port)
+        total = len(a.n) * a.repeat * len(tg)
+        k = 0
+        for n in a.n:
+            for rep in range(a.repeat):
+                for name in _rotate([t for t in a.targets if t in tg], rep):
+                    k += 1
+                    r = _measure(b, tg[name], eng, f"[{k}/{total}] n={n} 1 client {name}",
+                                 n=n, concurrency=1, itl_ms=a.itl_ms)
+                    r["repeat"] = rep
+                    runs.append(r)
+    finally:
+        for t in tg.values():
+            t.stop()
+        eng.stop()
+    meta = _meta(a, b)
+    path = _save("latency", meta, [_strip(r) for r in runs])
+    ratios = R.pair_ratios(runs)
+    order = [t for t in ["direct", "sieproxy", "nginx", "litellm"] if t in a.targets]
+    plots = []
+    if 1 in a.n:
+        R.cdf_svg({t: [x for r in runs if r["n"] == 1 and r["target"] == t
+                       for x in r.get("ttft_samples", [])] for t in order},
+                  "TTFT at 1 client, n=1", "ms (log)", BENCH_DIR / "latency-ttft.svg")
+        plots.append("latency-ttft.svg")
+    if 16 in a.n:
+        R.cdf_svg({t: [x for r in runs if r["n"] == 16 and r["target"] == t
+                       for x in r.get("all_first_samples", [])] for t in order},
+                  "n=16: time until all 16 choices' first tokens", "ms (log)",
+                  BENCH_DIR / "latency-fanout.svg")
+        plots.append("latency-fanout.svg")
+    md = _header("latency", meta)
+    md += (f"\nOne client, closed loop, {a.tokens}-token responses at {a.itl_ms:g} ms ITL. "
+           "`direct` serves n = 16 as 16 parallel n = 1 requests; *all-n-first* is the time "
+           "until every choice's first non-empty token reached the client.\n\n")
+    md += R.relay_table(runs, order) + "\n\nRatios within each round (median over rounds):\n\n"
+    md += R.ratio_table(ratios) + "\n\n" + " ".join(f"![{p}]({p})" for p in plots)
+    verdicts = []
+    r1 = ratios.get((1, 1, a.itl_ms), {})
+    added = r1.get("added_ttft_p50_sieproxy")
+    verdicts.append(R.verdict(
+        "added TTFT at 1 client ≤ 1 ms p50", None if added is None else added <= 1.0,
+        f"{R.fmt(added, 2)} ms (nginx {R.fmt(r1.get('added_ttft_p50_nginx'), 2)} ms, "
+        f"LiteLLM {R.fmt(r1.get('added_ttft_p50_litellm'), 2)} ms)"))
+    r16 = ratios.get((16, 1, a.itl_ms), {})
+    fo = r16.get("fanout_sieproxy_over_direct")
+    verdicts.append(R.verdict(
+        "n=16: all 16 first tokens within 1.2× of 16 direct requests",
+        None if fo is None else fo <= 1.2, f"{R.fmt(fo, 2)}× direct"))
+    _finish(a, "latency", md, verdicts, path)
+
+
+# ---- disconnect -----------------------------------------------------------------------------
+
+
+def cmd_disconnect(a: argparse.Namespace) -> None:
+    b = _bench(a)
+    runs: list[dict[str, Any]] = []
+    eng = _engine(b, a, a.itl_ms)
+    tg: dict[str, T.Target] = {}
+    try:
+        tg = b.start_targets(a.targets, eng.port)
+        for rep in range(a.repeat):
+            for name in _rotate([t for t in a.targets if t in tg], rep):
+                before = idle(eng.port)
+                r = _measure(b, tg[name], eng, f"disconnect {name} rep {rep + 1}",
+                             n=1, concurrency=a.concurrency, itl_ms=a.itl_ms,
+                             disconnect_after=a.after)
+                time.sleep(1.0)
+                after = idle(eng.port, timeout=20)
+                r.update(repeat=rep, engine_before=before, engine_after=after)
+                runs.append(r)
+    finally:
+        for t in tg.values():
+            t.stop()
+        eng.stop()
+    meta = _meta(a, b)
+    path = _save("disconnect", meta, [_strip(r) for r in runs])
+    rows = ["| target | client departures | generations the engine started | ended early at "
+            "the engine (aborted + cancelled) | ran to completion anyway | still running after "
+            "1 s (leaked) | /abort_request received | errors |",
+            "|---|---|---|---|---|---|---|---|"]
+    verdicts = []
+    for r in runs:
+        if "error" in r:
+            rows.append(f"| {r['target']} | run failed: {r['error'][:80]!r} ||||||")
+            continue
+        b0, b1 = r["engine_before"], r["engine_after"]
+        ended = (b1["aborted"] - b0["aborted"]) + (b1["cancelled"] - b0["cancelled"])
+        started = b1["streams_started"] - b0["streams_started"]
+        done = b1["finished"] - b0["finished"]
+        left = r["disconnects"] + r.get("inflight_at_stop", 0)
+        r.update(engine_ended_early=ended, engine_started=started, client_left=left)
+        rows.append(f"| {r['target']} | {left} | {started} | {ended} | {done} | {b1['running']} "
+                    f"| {b1['aborts_received'] - b0['aborts_received']} | {R.nerr(r)} |")
+        if r["target"] == "sieproxy":
+            verdicts.append(R.verdict(
+                "client disconnects reach the engine (every started generation ends early, "
+                "none leaked)",
+                ended == started and b1["running"] == 0,
+                f"{ended}/{started} generations ended early at the engine, {done} ran to "
+                f"completion, {b1['running']} leaked"))
+    md = _header("disconnect", meta)
+    md += (f"\n{a.concurrency} clients in a closed loop, each leaving (closing its connection) "
+           f"after {a.after} content chunks at {a.itl_ms:g} ms ITL; streams still open when the "
+           "window ends are cut too and counted as disconnects. The engine counts a generation "
+           "that ended without finishing (an `/abort_request` or a closed upstream "
+           "connection); a generation that ran to completion after its client left is a "
+           "disconnect that did not reach the engine.\n\n")
+    md += "\n".join(rows)
+    _finish(a, "disconnect", md, verdicts, path)
+
+
+# ---- soak -----------------------------------------------------------------------------------
+
+
+def cmd_soak(a: argparse.Namespace) -> None:
+    a.duration = a.minutes * 60
+    b = _bench(a)
+    b.duration = a.minutes * 60
+    runs: list[dict[str, Any]] = []
+    eng = _engine(b, a, a.itl_ms)
+    tg: dict[str, T.Target] = {}
+    try:
+        tg = b.start_targets(a.targets, eng.port)
+        for name in [t for t in a.targets if t in tg]:
+            before = idle(eng.port)
+            stream_s = b.tokens * a.itl_ms / 1000
+            b.warmup = a.warmup if a.warmup is not None else min(stream_s, 10.0) + 5.0
+            r = _measure(b, tg[name], eng, f"soak {name} {a.streams} streams",
+                         n=1, concurrency=a.streams, itl_ms=a.itl_ms,
+                         disconnect_after=a.leave_after, disconnect_fraction=a.leave_fraction,
+                         request_timeout=stream_s * 3 + 30)
+            time.sleep(1.0)
+            after = idle(eng.port, timeout=20)
+            r.update(repeat=0, engine_before=before, engine_after=after)
+            runs.append(r)
+            if name != list(tg)[-1]:
+                tg[name].stop()
+    finally:
+        for t in tg.values():
+            t.stop()
+        eng.stop()
+    meta = _meta(a, b)
+    path = _save("soak", meta, [_strip(r) for r in runs])
+    md = _header("soak", meta)
+    md += (f"\n{a.streams} clients in a closed loop for {a.minutes:g} min (after the warm-up), "
+           f"{b.tokens}-token responses at {a.itl_ms:g} ms ITL; {a.leave_fraction:.0%} of "
+           f"requests leave after {a.leave_after} chunks. Memory per open stream = (mean RSS "
+           "in the window − RSS of the fresh, idle process) ÷ mean open streams.\n\n")
+    rows = ["| target | open streams (mean) | chunks/s | gap p50 / p99 / max ms "
+            "| TTFT p50 / p99 ms "
+            "| completed | left mid-stream | errors | RSS idle → start → end MiB | RSS growth "
+            "in window | memory / open stream | engine: ended early / leaked |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    verdicts = []
+    series = {}
+    for r in runs:
+        if "error" in r:
+            rows.append(f"| {r['target']} | run failed: {r['error'][:80]!r} |||||||||||")
+            continue
+        rs = r.get("rss_series") or []
+        series[r["target"]] = [(t, v / 2**20) for t, v in rs]
+        vals = [v for _, v in rs]
+        k = max(1, len(vals) // 5)
+        first, last = (sum(vals[:k]) / k, sum(vals[-k:]) / k) if vals else (0, 0)
+        growth = (last - first) / first if first else 0.0
+        mean_rss = sum(vals) / len(vals) if vals else 0
+        per = (mean_rss - r["sut_rss_idle"]) / r["mean_inflight"] if r["mean_inflight"] else None
+        b0, b1 = r["engine_before"], r["engine_after"]
+        ended = (b1["aborted"] - b0["aborted"]) + (b1["cancelled"] - b0["cancelled"])
+        g = r["gap_ms"]
+        rows.append(
+            f"| {r['target']} | {r['mean_inflight']:.0f} | {r['chunks_per_s']:,.0f} "
+            f"| {R.fmt(g.get('p50'))} / {R.fmt(g.get('p99'))} / {R.fmt(g.get('max'))} "
+            f"| {R.fmt(R.p(r, 'ttft_ms', 'p50'))} / {R.fmt(R.p(r, 'ttft_ms', 'p99'))} "
+            f"| {r['requests_completed']} | {r['disconnects']} | {R.nerr(r)} {r['errors'] or ''} "
+            f"| {r['sut_rss_idle'] / 2**20:.0f} → {first / 2**20:.0f} → {last / 2**20:.0f} "
+            f"| {growth:+.1%} | {R.fmt(per / 1024 if per else None)} KiB "
+            f"| {ended} / {b1['running']} |"
+        )
+        if r["target"].startswith("sieproxy") or r["target"].startswith("hypercorn"):
+            g99 = g.get("p99")
+            verdicts.append(R.verdict(
+                f"one gateway process holds {a.streams:,} open streams at {a.itl_ms:g} ms ITL, "
+                "no errors, p99 inter-chunk gap < 100 ms",
+                R.nerr(r) == 0 and g99 is not None and g99 < 100
+                and r["mean_inflight"] >= 0.95 * a.streams,
+                f"{r['mean_inflight']:.0f} open, {R.nerr(r)} errors, p99 gap {R.fmt(g99)} ms, "
+                f"{r['chunks_per_s']:,.0f} chunks/s (ideal "
+                f"{a.streams * 1000 / a.itl_ms:,.0f})"))
+            verdicts.append(R.verdict("memory per open stream < 64 KiB",
+                                      None if per is None else per < 64 * 1024,
+                                      f"{R.fmt(per / 1024 if per else None)} KiB"))
+            verdicts.append(R.verdict(
+                "soak: no memory growth after warm-up, no leaked upstream request",
+                abs(growth) < 0.05 and b1["running"] == 0,
+                f"RSS {growth:+.1%} first→last fifth of the window; {b1['running']} generations "
+                f"still running after the clients left; {ended} ended early at the engine for "
+                f"{r['disconnects'] + r.get('inflight_at_stop', 0)} client departures"))
+    md += "\n".join(rows)
+    if series:
+        R.line_svg(series, "SUT RSS during the soak window", "s", "MiB", BENCH_DIR / "soak-rss.svg")
+        md += "\n\n![soak-rss.svg](soak-rss.svg)"
+    _finish(a, "soak", md, verdicts, path)
+
+
+# ---- workers --------------------------------------------------------------------------------
+
+
+def cmd_workers(a: argparse.Namespace) -> None:
+    b = _bench(a, pin=False)
+    runs: list[dict[str, Any]] = []
+    eng = _engine(b, a, a.itl_ms)
+    tg: dict[str, T.Target] = {}
+    try:
+        tg = b.start_targets(a.targets, eng.port)
+        total = a.repeat * len(tg)
+        k = 0
+        for rep in range(a.repeat):
+            for name in _rotate([t for t in a.targets if t in tg], rep):
+                k += 1
+                r = _measure(b, tg[name], eng, f"[{k}/{total}] {name} c={a.concurrency}",
+                             n=1, concurrency=a.concurrency, itl_ms=a.itl_ms)
+                r["repeat"] = rep
+                runs.append(r)
+    finally:
+        for t in tg.values():
+            t.stop()
+        eng.stop()
+    meta = _meta(a, b)
+    path = _save("workers", meta, [_strip(r) for r in runs])
+    md = _header("workers", meta)
+    md += (f"\n`hypercorn --worker-class trio --workers K sieproxy.asgi:app`, {a.concurrency} "
+           f"clients, ITL {a.itl_ms:g} ms (saturating), nothing pinned: workers, engine and load "
+           "generator share both CPUs.\n\n")
+    md += R.relay_table(runs, a.targets)
+    per: dict[int, dict[str, float]] = {}
+    for r in runs:
+        if "error" not in r:
+            per.setdefault(r["repeat"], {})[r["target"]] = r["chunks_per_s"]
+    rat = R.med([v["hypercorn-w2"] / v["hypercorn-w1"] for v in per.values()
+                 if v.get("hypercorn-w1") and v.get("hypercorn-w2")])
+    md += f"\n\nchunks/s, 2 workers ÷ 1 worker (per round, median): {R.fmt(rat, 2)}×"
+    verdicts = [R.verdict("two workers behind one port relay about twice the streams of one",
+                          None if rat is None else rat >= 1.8, f"{R.fmt(rat, 2)}×")]
+    _finish(a, "workers", md, verdicts, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    raise_nofile()
+    if "litellm" in getattr(a, "targets", []) and T.ensure_litellm(PROGRESS.note) is None:
+        PROGRESS.note("LiteLLM unavailable; continuing without it")
+    {"relay": cmd_relay, "latency": cmd_latency, "disconnect": cmd_disconnect,
+     "soak": cmd_soak, "workers": cmd_workers}[a.cmd](a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,444 @@
+"""Unit tests of ModelPool: routing, admission, breaker and health watcher (no sockets).
+
+Replicas are plain ``Replica`` objects marked ready by hand; the health watcher is driven
+through an ``EngineClient`` on an ``httpx.MockTransport``. Every test runs under Trio (the pool
+reads ``trio.current_time``); the waiting ones use the autojump clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import Counter
+from collections.abc import Awaitable, Callable
+
+import httpx
+import pytest
+import trio
+
+from sieproxy.core.errors import InvalidRequest, ServiceUnavailable
+from sieproxy.engine_client import EngineClient
+from sieproxy.pool import ModelPool, Replica, RouteHints
+from sieproxy.settings import EngineSpec, GatewaySettings
+
+MODEL = "m"
+
+
+def make_pool(n: int = 3, *, ready: bool = True, **g: object) -> ModelPool:
+    specs = [
+        EngineSpec(url=f"http://10.0.0.{i}:3000", pool=f"pool-{i % 2}", machine_profile=f"p{i}")
+        for i in range(n)
+    ]
+    pool = ModelPool(MODEL, specs, GatewaySettings(**g))  # type: ignore[arg-type]
+    for r in pool.replicas:
+        r.ready = ready
+    return pool
+
+
+async def take(
+    mp: ModelPool,
+    key: str | None = None,
+    k: int = 1,
+    *,
+    pool: str | None = None,
+    machine_profile: str | None = None,
+) -> Replica:
+    hints = RouteHints(pool=pool, machine_profile=machine_profile, affinity_key=key)
+    return await mp.acquire(hints, k)
+
+
+# ---------------------------------------------------------------------------- least outstanding
+
+
+async def test_least_outstanding_spreads_evenly() -> None:
+    pool = make_pool(3)
+    got = [await take(pool) for _ in range(9)]
+    assert Counter(r.url for r in got) == {r.url: 3 for r in pool.replicas}
+    assert [r.inflight for r in pool.replicas] == [3, 3, 3]
+
+
+async def test_least_outstanding_counts_candidates_not_requests() -> None:
+    pool = make_pool(3)
+    big = await take(pool, k=4)
+    others = [await take(pool) for _ in range(6)]
+    assert big not in others
+    assert Counter(r.url for r in others) == {r.url: 3 for r in pool.replicas if r is not big}
+
+
+async def test_least_outstanding_ties_broken_by_total() -> None:
+    pool = make_pool(2)
+    a = await take(pool)
+    pool.release(a)
+    b = await take(pool)
+    assert b is not a  # both idle: the one that served less so far
+    pool.release(b)
+
+
+async def test_release_frees_slots() -> None:
+    pool = make_pool(1)
+    r = await take(pool, k=3)
+    assert r.inflight == 3
+    pool.release(r, 3)
+    assert r.inflight == 0
+    assert r.total == 3
+
+
+# ---------------------------------------------------------------------------- affinity
+
+
+async def test_same_key_same_replica_when_idle() -> None:
+    pool = make_pool(4)
+    first = await take(pool, "conversation-42")
+    pool.release(first)
+    for _ in range(20):
+        r = await take(pool, "conversation-42")
+        assert r is first
+        pool.release(r)
+
+
+async def test_same_key_same_replica_under_moderate_load() -> None:
+    pool = make_pool(4)
+    # background load elsewhere does not move a key whose replica is not overloaded
+    first = await take(pool, "k")
+    pool.release(first)
+    for _ in range(4):
+        await take(pool)  # one per replica
+    for _ in range(10):
+        r = await take(pool, "k")
+        assert r is first
+        pool.release(r)
+
+
+async def test_keys_spread_over_replicas() -> None:
+    pool = make_pool(4)
+    owners: Counter[str] = Counter()
+    for i in range(400):
+        r = await take(pool, f"key-{i}")
+        owners[r.url] += 1
+        pool.release(r)
+    assert set(owners) == {r.url for r in pool.replicas}
+    assert min(owners.values()) > 50  # roughly uniform (expected 100 each)
+
+
+async def test_key_ranking_is_independent_of_replica_order() -> None:
+    a = make_pool(4)
+    b = make_pool(4)
+    b.replicas.reverse()
+    for i in range(50):
+        ra = await take(a, f"key-{i}")
+        rb = await take(b, f"key-{i}")
+        assert ra.url == rb.url
+        a.release(ra)
+        b.release(rb)
+
+
+async def test_key_moves_when_replica_out_and_comes_back() -> None:
+    pool = make_pool(4)
+    home = await take(pool, "sticky")
+    pool.release(home)
+    home.ready = False
+    moved = await take(pool, "sticky")
+    assert moved is not home
+    pool.release(moved)
+    again = await take(pool, "sticky")
+    assert again is moved  # the fallback is itself stable
+    pool.release(again)
+    home.ready = True
+    back = await take(pool, "sticky")
+    assert back is home
+    pool.release(back)
+
+
+async def test_removing_a_replica_only_moves_its_keys() -> None:
+    pool = make_pool(4)
+    before = {}
+    for i in range(100):
+        r = await take(pool, f"key-{i}")
+        before[i] = r
+        pool.release(r)
+    gone = pool.replicas[1]
+    gone.ready = False
+    for i in range(100):
+        r = await take(pool, f"key-{i}")
+        if before[i] is not gone:
+            assert r is before[i], "consistent hashing: unaffected keys stay put"
+        else:
+            assert r is not gone
+        pool.release(r)
+
+
+async def test_hot_key_is_bounded() -> None:
+    pool = make_pool(3)
+    held = [await take(pool, "hot") for _ in range(30)]
+    counts = Counter(r.url for r in held)
+    assert len(counts) == 3, "a hot key spills to the other replicas"
+    # bounded loads: no replica goes above bound × (mean + 1)
+    assert max(r.inflight for r in pool.replicas) <= math.ceil(1.25 * (30 / 3 + 1))
+    home = held[0]
+    assert counts[home.url] == max(counts.values())
+
+
+async def test_affinity_respects_hints() -> None:
+    pool = make_pool(4)
+    for i in range(40):
+        r = await take(pool, f"key-{i}", pool="pool-1")
+        assert r.pool == "pool-1"
+        pool.release(r)
+
+
+# ---------------------------------------------------------------------------- hints
+
+
+async def test_hint_filtering() -> None:
+    pool = make_pool(4)
+    for _ in range(8):
+        r = await take(pool, pool="pool-0")
+        assert r.pool == "pool-0"
+    for _ in range(4):
+        r = await take(pool, machine_profile="p3")
+        assert r.machine_profile == "p3"
+    r = await take(pool, pool="pool-0", machine_profile="p2")
+    assert r.machine_profile == "p2"
+
+
+async def test_check_hints_names_the_header() -> None:
+    pool = make_pool(2)
+    pool.check_hints(RouteHints(pool="pool-1", machine_profile="p0"))
+    with pytest.raises(InvalidRequest) as e1:
+        pool.check_hints(RouteHints(pool="nope"))
+    assert e1.value.param == "X-SIE-Pool"
+    with pytest.raises(InvalidRequest) as e2:
+        pool.check_hints(RouteHints(machine_profile="nope"))
+    assert e2.value.param == "X-SIE-MACHINE-PROFILE"
+
+
+async def test_exclude() -> None:
+    pool = make_pool(2)
+    a = pool.replicas[0]
+    for _ in range(5):
+        r = await pool.acquire(RouteHints(), 1, exclude=a)
+        assert r is not a
+    with pytest.raises(ServiceUnavailable):
+        await pool.acquire(RouteHints(machine_profile="p0"), 1, exclude=a)
+
+
+# ---------------------------------------------------------------------------- admission
+
+
+async def test_full_then_503_with_retry_after(autojump_clock: trio.abc.Clock) -> None:
+    pool = make_pool(2, replica_max_inflight=2, admission_wait=0.5, retry_after=7)
+    for _ in range(4):
+        await take(pool)
+    t0 = trio.current_time()
+    with pytest.raises(ServiceUnavailable) as exc:
+        await take(pool)
+    assert trio.current_time() - t0 == pytest.approx(0.5)
+    assert exc.value.status == 503
+    assert exc.value.headers["Retry-After"] == "7"
+    assert exc.value.code != "model_loading"
+
+
+async def test_full_then_waits_for_room(autojump_clock: trio.abc.Clock) -> None:
+    pool = make_pool(1, replica_max_inflight=2, admission_wait=5)
+    a = await take(pool)
+    await take(pool)
+    got: list[Replica] = []
+
+    async def waiter() -> None:
+        got.append(await take(pool))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter)
+        await trio.sleep(1)
+        assert not got
+        pool.release(a)
+    assert got == [a]
+    assert a.inflight == 2
+
+
+async def test_capacity_counts_every_candidate_of_a_request(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A replica holds at most replica_max_inflight candidates (pool.py docstring).
+
+    With 3 of 4 slots used, an n=4 request must wait (and here get 503), not push the replica
+    to 7 candidates.
+    """
+    pool = make_pool(1, replica_max_inflight=4, admission_wait=0.5)
+    for _ in range(3):
+        await take(pool)
+    with contextlib.suppress(ServiceUnavailable):
+        await take(pool, k=4)
+    assert pool.replicas[0].inflight <= 4
+
+
+async def test_request_larger_than_capacity_runs_alone(autojump_clock: trio.abc.Clock) -> None:
+    pool = make_pool(1, replica_max_inflight=2, admission_wait=0.5)
+    r = await take(pool, k=3)  # an idle replica still takes an oversized request
+    assert r.inflight == 3
+
+
+async def test_no_ready_replica_is_model_loading(autojump_clock: trio.abc.Clock) -> None:
+    pool = make_pool(2, ready=False, retry_after=3)
+    assert not pool.any_ready()
+    with pytest.raises(ServiceUnavailable) as exc:
+        await take(pool)
+    assert exc.value.code == "model_loading"
+    assert exc.value.headers["Retry-After"] == "3"
+
+
+async def test_gate_closed_is_not_ready() -> None:
+    """While the chat template is being discovered the model is "loading", not "at capacity"."""
+    pool = make_pool(2)
+    pool.gate_open = False
+    assert not pool.any_ready()
+    with pytest.raises(ServiceUnavailable) as exc:
+        await take(pool)
+    assert exc.value.code == "model_loading"
+    pool.gate_open = True
+    assert pool.any_ready()
+
+
+# ---------------------------------------------------------------------------- breaker
+
+
+async def test_breaker_opens_after_streak_and_backs_off(autojump_clock: trio.abc.Clock) -> None:
+    pool = make_pool(1, breaker_failures=3, breaker_backoff=2.0, breaker_backoff_max=5.0)
+    r = pool.replicas[0]
+    pool.record_failure(r)
+    pool.record_failure(r)
+    assert r.available(trio.current_time())
+    pool.record_failure(r)
+    assert not r.available(trio.current_time())
+    assert not pool.any_ready()
+    await trio.sleep(2.01)
+    assert r.available(trio.current_time())
+    for _ in range(3):
+        pool.record_failure(r)
+    assert r.out_until - trio.current_time() == pytest.approx(4.0)  # doubled
+    await trio.sleep(4.01)
+    for _ in range(3):
+        pool.record_failure(r)
+    assert r.out_until - trio.current_time() == pytest.approx(5.0)  # capped
+
+
+async def test_success_resets_streak() -> None:
+    pool = make_pool(1, breaker_failures=3)
+    r = pool.replicas[0]
+    pool.record_failure(r)
+    pool.record_failure(r)
+    pool.record_success(r)
+    pool.record_failure(r)
+    pool.record_failure(r)
+    assert r.available(trio.current_time())
+
+
+async def test_open_breaker_moves_keys(autojump_clock: trio.abc.Clock) -> None:
+    pool = make_pool(3, breaker_failures=1, breaker_backoff=1.0)
+    home = await take(pool, "k")
+    pool.release(home)
+    pool.record_failure(home)
+    r = await take(pool, "k")
+    assert r is not home
+    pool.release(r)
+    await trio.sleep(1.01)
+    r = await take(pool, "k")
+    assert r is home
+
+
+# ---------------------------------------------------------------------------- health watcher
+
+Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
+
+
+def client_with(handler: Handler, g: GatewaySettings) -> EngineClient:
+    return EngineClient(g, transport=httpx.MockTransport(handler))
+
+
+class FakeHealth:
+    """/health answers from a per-host table; /server_info advertises incremental output."""
+
+    def __init__(self) -> None:
+        self.status: dict[str, int] = {}
+        self.hang: set[str] = set()
+        self.checks: Counter[str] = Counter()
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if request.url.path == "/health":
+            self.checks[host] += 1
+            if host in self.hang:
+                await trio.sleep_forever()
+            return httpx.Response(self.status.get(host, 200))
+        if request.url.path == "/server_info":
+            return httpx.Response(200, json={"incremental_streaming_output": True})
+        return httpx.Response(404)
+
+
+async def test_watcher_marks_ready_and_out(autojump_clock: trio.abc.Clock) -> None:
+    pool = make_pool(2, ready=False, health_interval=0.5, health_timeout=1.0)
+    fake = FakeHealth()
+    client = client_with(fake, pool._g)
+    a, b = pool.replicas
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pool.run_health_checks, client)
+        await trio.sleep(0.1)
+        assert a.ready and b.ready
+        assert a.incremental and a.info_loaded
+        fake.status["10.0.0.0"] = 503
+        await trio.sleep(1.0)
+        assert not a.ready and b.ready
+        assert pool.any_ready()
+        fake.status["10.0.0.0"] = 200
+        await trio.sleep(1.0)
+        assert a.ready
+        nursery.cancel_scope.cancel()
+
+
+async def test_watcher_times_out_a_hanging_check(autojump_clock: trio.abc.Clock) -> None:
+    pool = make_pool(2, ready=False, health_interval=0.5, health_timeout=1.0)
+    fake = FakeHealth()
+    client = client_with(fake, pool._g)
+    a, b = pool.replicas
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pool.run_health_checks, client)
+        await trio.sleep(0.1)
+        assert a.ready
+        fake.hang.add("10.0.0.0")
+        await trio.sleep(2.0)
+        assert not a.ready
+        assert b.ready  # one hanging replica does not stall the others' checks
+        checks_b = fake.checks["10.0.0.1"]
+        await trio.sleep(2.0)
+        assert fake.checks["10.0.0.1"] > checks_b
+        fake.hang.clear()
+        await trio.sleep(3.0)
+        assert a.ready
+        nursery.cancel_scope.cancel()
+
+
+async def test_request_breaker_survives_passing_health_checks(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A replica taken out for failing *requests* stays out for its backoff.
+
+    The issue: "a replica that fails requests or checks is taken out and put back after a
+    backoff". A replica whose /health still answers 200 but which fails every /generate must not
+    be put back by the next health check (health_interval) long before the backoff ends.
+    """
+    pool = make_pool(2, ready=False, health_interval=0.1, breaker_failures=2, breaker_backoff=5.0)
+    fake = FakeHealth()
+    client = client_with(fake, pool._g)
+    a = pool.replicas[0]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pool.run_health_checks, client)
+        await trio.sleep(0.05)
+        assert a.ready
+        pool.record_failure(a)  # two failed requests in a row
+        pool.record_failure(a)
+        assert not a.available(trio.current_time())
+        await trio.sleep(1.0)  # ten passing health checks, well within the 5 s backoff
+        assert not a.available(trio.current_time()), "health check cut the backoff short"
+        await trio.sleep(4.5)
+        assert a.available(trio.current_time())
+        nursery.cancel_scope.cancel()

@@ -1,0 +1,372 @@
+"""GET /metrics (Prometheus text) and the JSON access log agree with the traffic sent, and
+never carry user data (prompt, generated text, user, routing key, bearer token)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.fake import Call, FakeEngine, Fault, Plan, default_tokens
+from sieproxy.settings import Settings
+
+from .harness import MODEL, Gateway, running_gateway, sse_events
+
+TOKEN = "CANARY-TOKEN-5f3a"
+PROMPT = "CANARY-PROMPT-91c2"
+USER = "CANARY-USER-77d1"
+KEY = "CANARY-KEY-0b9e"
+OUT = "CANARYOUT"
+CANARIES = (TOKEN, PROMPT, USER, KEY, OUT)
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def script(call: Call) -> Plan:
+    prompt = call.prompt if isinstance(call.prompt, str) else ""
+    texts, ids = default_tokens(call.seed, 200)
+    if "SLOWCLIENT" in prompt:
+        return Plan(tokens=texts, token_ids=ids, itl=0.05)
+    if "MIDFAIL" in prompt:
+        return Plan(tokens=texts[:10], token_ids=ids[:10], itl=0.01, fault=Fault.reset(at=2))
+    if "BESTOF" in prompt:
+        if call.rid.endswith("-0"):  # finishes first with the best score
+            return Plan(tokens=[OUT, " done"], logprobs=[-0.01, -0.01])
+        return Plan(tokens=texts, token_ids=ids, itl=0.05, logprobs=[-5.0] * 200)
+    return Plan(tokens=[OUT, *texts], token_ids=[999, *ids])
+
+
+async def scrape(gw: Gateway) -> tuple[Samples, str]:
+    r = await gw.client.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    out: Samples = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out, r.text
+
+
+def get(m: Samples, name: str, **labels: str) -> float:
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def total(m: Samples, name: str, **labels: str) -> float:
+    """Sum over the samples of ``name`` whose labels include ``labels``."""
+    return sum(
+        v
+        for (n, ls), v in m.items()
+        if n == name and all(dict(ls).get(k) == x for k, x in labels.items())
+    )
+
+
+def body(content: str = PROMPT, **kw: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "user": USER,
+        "routing_key": KEY,
+        **kw,
+    }
+
+
+async def post(gw: Gateway, path: str, payload: dict[str, Any], **headers: str) -> httpx.Response:
+    return await gw.client.post(path, json=payload, headers={**AUTH, **headers})
+
+
+async def disconnect_after_first_chunk(gw: Gateway, payload: dict[str, Any], rid: str) -> None:
+    async with gw.client.stream(
+        "POST", "/v1/chat/completions", json=payload, headers={**AUTH, "X-Request-Id": rid}
+    ) as r:
+        assert r.status_code == 200
+        async for _ in r.aiter_bytes():
+            break
+
+
+async def wait_metric(gw: Gateway, name: str, value: float, **labels: str) -> Samples:
+    with trio.fail_after(5):
+        while True:
+            m, _ = await scrape(gw)
+            if total(m, name, **labels) >= value:
+                return m
+            await trio.sleep(0.02)
+
+
+def assert_no_user_data(text: str) -> None:
+    for canary in CANARIES:
+        assert canary not in text, f"{canary} leaked"
+
+
+def usage_of_stream(r: httpx.Response) -> dict[str, int]:
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    return events[-2]["usage"]
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+async def test_metrics_agree_with_traffic() -> None:
+    with trio.fail_after(30):
+        engines = [FakeEngine(script=script), FakeEngine(script=script)]
+        async with running_gateway(engines, auth=True, tokens=[TOKEN]) as gw:
+            urls = {r.url for r in gw.state.pools[MODEL].replicas}
+            usages = []
+            for _ in range(2):
+                r = await post(
+                    gw,
+                    "/v1/chat/completions",
+                    body(max_tokens=5, stream=True, stream_options={"include_usage": True}),
+                )
+                assert r.status_code == 200
+                usages.append(usage_of_stream(r))
+            r = await post(gw, "/v1/chat/completions", body(max_tokens=4))
+            assert r.status_code == 200
+            usages.append(r.json()["usage"])
+            r = await post(
+                gw, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3}
+            )
+            assert r.status_code == 200, r.text
+            usages.append(r.json()["usage"])
+            assert [u["completion_tokens"] for u in usages] == [5, 5, 4, 3]
+
+            m, text = await scrape(gw)
+            req = "sieproxy_requests_total"
+            assert get(m, req, endpoint="chat", model=MODEL, status="200") == 3
+            assert get(m, req, endpoint="completions", model=MODEL, status="200") == 1
+            assert get(m, "sieproxy_tokens_total", model=MODEL, direction="out") == 17
+            assert get(m, "sieproxy_tokens_total", model=MODEL, direction="in") == sum(
+                u["prompt_tokens"] for u in usages
+            )
+            assert get(m, "sieproxy_time_to_first_token_seconds_count", model=MODEL) == 4
+            assert get(m, "sieproxy_inter_token_latency_seconds_count", model=MODEL) == 4
+            assert get(m, "sieproxy_request_duration_seconds_count", model=MODEL) == 4
+            for url in urls:
+                assert get(m, "sieproxy_replica_up", model=MODEL, replica=url) == 1
+                assert get(m, "sieproxy_replica_inflight_candidates", model=MODEL, replica=url) == 0
+
+            # in flight: an n=2 slow stream holds two candidates on one replica
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    disconnect_after_first_chunk,
+                    gw,
+                    body("SLOWCLIENT " + PROMPT, n=2, max_tokens=100, stream=True),
+                    "gone1",
+                )
+                m = await wait_metric(gw, "sieproxy_replica_inflight_candidates", 2)
+                per = [
+                    get(m, "sieproxy_replica_inflight_candidates", model=MODEL, replica=u)
+                    for u in urls
+                ]
+                assert sorted(per) == [0, 2] or sum(per) == 0  # (0 once the client left)
+
+            # aborts by cause: client gone, best_of losers, engine error mid-stream
+            m = await wait_metric(gw, "sieproxy_upstream_aborts_total", 2, cause="client")
+            assert get(m, "sieproxy_upstream_aborts_total", model=MODEL, cause="client") == 2
+            with trio.fail_after(3):
+                for e in engines:
+                    await e.wait_for(lambda e=e: not e.running)
+
+            r = await post(gw, "/v1/chat/completions", body("BESTOF", n=1, best_of=3))
+            assert r.status_code == 200, r.text
+            m, _ = await scrape(gw)
+            assert get(m, "sieproxy_upstream_aborts_total", model=MODEL, cause="best_of") == 2
+
+            r = await post(gw, "/v1/chat/completions", body("MIDFAIL", stream=True))
+            assert r.status_code == 200
+            assert "error" in sse_events(r.text)[-2]
+            m, text = await scrape(gw)
+            assert get(m, "sieproxy_upstream_aborts_total", model=MODEL, cause="error") == 1
+            assert get(m, "sieproxy_time_to_first_token_seconds_count", model=MODEL) == 7
+
+            assert_no_user_data(text)
+            allowed = {"endpoint", "model", "status", "replica", "direction", "cause", "le"}
+            for (_, labels), _v in m.items():
+                for k, v in labels:
+                    assert k in allowed, k
+                    if k == "model":
+                        assert v == MODEL
+                    if k == "replica":
+                        assert v in urls
+
+
+async def test_deadline_abort_counted() -> None:
+    with trio.fail_after(20):
+        async with running_gateway(FakeEngine(script=script), request_deadline=0.3) as gw:
+            r = await gw.chat(
+                messages=[{"role": "user", "content": "SLOWCLIENT"}], max_tokens=100, stream=True
+            )
+            assert r.status_code == 200
+            events = sse_events(r.text)
+            assert events[-1] == "[DONE]"
+            assert "error" in events[-2]
+            m = await wait_metric(gw, "sieproxy_upstream_aborts_total", 1, cause="deadline")
+            assert get(m, "sieproxy_upstream_aborts_total", model=MODEL, cause="deadline") == 1
+            assert gw.engines[0].aborts, "the deadline aborted the rid upstream"
+
+
+async def test_inflight_requests_gauge() -> None:
+    """Issue: metrics include "in-flight requests and candidates per replica"."""
+    with trio.fail_after(20):
+        async with running_gateway(FakeEngine(script=script)) as gw, trio.open_nursery() as nursery:
+
+            async def slow() -> None:
+                await gw.chat(
+                    messages=[{"role": "user", "content": "SLOWCLIENT"}],
+                    max_tokens=10,
+                    n=3,
+                    stream=True,
+                )
+
+            nursery.start_soon(slow)
+            with trio.fail_after(5):
+                await gw.engines[0].wait_for(lambda: len(gw.engines[0].running) == 3)
+            r = await gw.client.get("/metrics")
+            fams = {f.name: f for f in text_string_to_metric_families(r.text) if f.type == "gauge"}
+            requests_gauges = [
+                f
+                for name, f in fams.items()
+                if "request" in name and ("inflight" in name or "in_flight" in name)
+            ]
+            assert requests_gauges, f"no in-flight requests gauge among {sorted(fams)}"
+            assert sum(s.value for s in requests_gauges[0].samples) == 1
+
+
+async def test_refused_requests_are_counted() -> None:
+    """Requests answered before any engine work (400, 503) still count by endpoint/status."""
+    with trio.fail_after(20):
+        engine = FakeEngine(script=script)
+        async with running_gateway(engine) as gw:
+            r = await gw.chat(temperature=-1)
+            assert r.status_code == 400
+            engine.healthy = False
+            with trio.fail_after(5):
+                while gw.state.pools[MODEL].any_ready():
+                    await trio.sleep(0.01)
+            r = await gw.chat()
+            assert r.status_code == 503
+            r = await gw.chat(model="CANARY-MODEL-x")
+            assert r.status_code == 404
+            m, text = await scrape(gw)
+            assert "CANARY-MODEL" not in text, "a client-chosen model name became a label"
+            req = "sieproxy_requests_total"
+            assert total(m, req, endpoint="chat", status="400") == 1
+            assert total(m, req, endpoint="chat", status="503") == 1
+
+
+# ---------------------------------------------------------------------------- access log
+
+
+def log_on(s: Settings) -> None:
+    s.gateway.access_log = True  # the harness turns it off
+
+
+def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    return [json.loads(r.getMessage()) for r in caplog.records if r.name == "sieproxy.access"]
+
+
+async def test_access_log_one_json_line_per_request(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    with trio.fail_after(30):
+        engines = [FakeEngine(script=script), FakeEngine(script=script)]
+        async with running_gateway(engines, auth=True, tokens=[TOKEN], settings_hook=log_on) as gw:
+            urls = {r.url for r in gw.state.pools[MODEL].replicas}
+            sdk = {"X-SIE-SDK-Version": "sie-python/1.4.2"}
+            r1 = await post(
+                gw,
+                "/v1/chat/completions",
+                body(n=2, max_tokens=5, stream=True, stream_options={"include_usage": True}),
+                **sdk,
+                **{"X-Request-Id": "log-stream"},
+            )
+            assert r1.status_code == 200
+            r2 = await post(
+                gw, "/v1/chat/completions", body(max_tokens=4), **{"X-Request-Id": "log-unary"}
+            )
+            assert r2.status_code == 200
+            r3 = await post(
+                gw,
+                "/v1/completions",
+                {"model": MODEL, "prompt": PROMPT, "max_tokens": 3},
+                **{"X-Request-Id": "log-cmpl"},
+            )
+            assert r3.status_code == 200
+            await disconnect_after_first_chunk(
+                gw, body("SLOWCLIENT", max_tokens=100, stream=True), "log-gone"
+            )
+            with trio.fail_after(5):
+                while len(access_lines(caplog)) < 4:
+                    await trio.sleep(0.02)
+            await trio.sleep(0.1)
+
+        lines = access_lines(caplog)
+        assert len(lines) == 4, lines
+        by_id = {ln["request_id"]: ln for ln in lines}
+        assert set(by_id) == {"log-stream", "log-unary", "log-cmpl", "log-gone"}
+        for ln in lines:
+            for field in (
+                "request_id", "model", "status", "n", "stream", "prompt_tokens",
+                "completion_tokens", "ttft_ms", "duration_ms", "replica", "abort_causes",
+                "sdk_version",
+            ):  # fmt: skip
+                assert field in ln, (field, ln)
+            assert ln["model"] == MODEL
+            assert ln["replica"] in urls
+            assert ln["status"] == 200
+            assert ln["ttft_ms"] is not None and 0 <= ln["ttft_ms"] <= ln["duration_ms"]
+
+        s = by_id["log-stream"]
+        assert s["n"] == 2 and s["stream"] is True
+        assert s["sdk_version"] == "sie-python/1.4.2"
+        assert s["completion_tokens"] == usage_of_stream(r1)["completion_tokens"] == 10
+        assert s["prompt_tokens"] == usage_of_stream(r1)["prompt_tokens"]
+        assert not s["abort_causes"]
+        u = by_id["log-unary"]
+        assert u["n"] == 1 and u["stream"] is False and u["sdk_version"] is None
+        assert u["completion_tokens"] == 4
+        assert by_id["log-cmpl"]["completion_tokens"] == 3
+        assert by_id["log-gone"]["abort_causes"] == {"client": 1}
+
+        everything = "\n".join(
+            r.getMessage()
+            for r in caplog.records
+            if r.name.startswith(("sieproxy", "hypercorn", "quart"))
+        )
+        assert_no_user_data(everything)
+
+
+async def test_access_log_covers_refused_requests(caplog: pytest.LogCaptureFixture) -> None:
+    """One line per request, including those refused before reaching an engine."""
+    caplog.set_level(logging.INFO, logger="sieproxy.access")
+    with trio.fail_after(20):
+        engine = FakeEngine(script=script)
+        async with running_gateway(engine, settings_hook=log_on) as gw:
+            r = await gw.client.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
+                      "temperature": -1, "user": USER},
+                headers={"X-Request-Id": "refused-400"},
+            )  # fmt: skip
+            assert r.status_code == 400
+            engine.healthy = False
+            with trio.fail_after(5):
+                while gw.state.pools[MODEL].any_ready():
+                    await trio.sleep(0.01)
+            r = await gw.client.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": PROMPT}]},
+                headers={"X-Request-Id": "refused-503"},
+            )
+            assert r.status_code == 503
+        lines = access_lines(caplog)
+        by_id = {ln["request_id"]: ln for ln in lines}
+        assert set(by_id) == {"refused-400", "refused-503"}, lines
+        assert by_id["refused-400"]["status"] == 400
+        assert by_id["refused-503"]["status"] == 503
+        assert_no_user_data(json.dumps(lines))

@@ -12,11 +12,13 @@ connection of a response that is closed before it was fully read).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import msgspec
+import trio
 
 from .core.errors import (
     EngineHTTPError,
@@ -76,13 +78,16 @@ class EngineClient:
 
     @contextlib.asynccontextmanager
     async def stream_generate(
-        self, base: str, body: dict[str, Any]
+        self, base: str, body: dict[str, Any], *, head_timeout: float | None = None
     ) -> AsyncIterator[AsyncIterator[bytes]]:
-        """POST ``/generate`` with ``stream: true``; yields the raw byte iterator of a 200."""
+        """POST ``/generate`` with ``stream: true``; yields the raw byte iterator of a 200.
+
+        ``head_timeout`` bounds the wait for the response head (``trio.TooSlowError``)."""
         url = base + "/generate"
         with _map_errors(url):
             req = self._client.build_request("POST", url, content=_encode(body), headers=_JSON)
-            resp = await self._client.send(req, stream=True)
+            with trio.fail_after(head_timeout if head_timeout is not None else math.inf):
+                resp = await self._client.send(req, stream=True)
             try:
                 if resp.status_code != 200:
                     await _drain_small(resp)

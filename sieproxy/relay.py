@@ -18,9 +18,10 @@ runs in the response task itself (``__anext__``): it receives one event, drains 
 is already buffered (coalescing frames that arrive together into one write), feeds the sans-IO
 shaper and returns the encoded frames. A slow client therefore stalls ``__anext__``, which
 stalls the channel, which stalls the candidates, which stop reading upstream: backpressure end
-to end, with no buffer growing. A watchdog aborts the candidates when a single client write has
-been parked for longer than ``client_stall_timeout`` (Hypercorn shields socket writes, so the
-write itself may outlive cancellation; the GPU time is freed regardless).
+to end, with no buffer growing. A sweeper (one task per process, :func:`sweep_stalls`) aborts the
+candidates when a single client write has been parked longer than ``client_stall_timeout``
+(Hypercorn shields socket writes, so the write itself may outlive cancellation; the GPU
+time is freed regardless).
 
 Every candidate that ends without a terminal event from its engine (client gone, deadline,
 stop string matched by the gateway, best_of loser, error, stall) sends exactly one
@@ -55,7 +56,7 @@ from .engine_client import EngineClient
 from .pool import ModelPool, Replica, RouteHints
 from .settings import GatewaySettings
 
-__all__ = ["GenerationBody", "RequestStats", "Shaper"]
+__all__ = ["GenerationBody", "RequestStats", "Shaper", "sweep_stalls"]
 
 log = logging.getLogger("sieproxy.relay")
 
@@ -96,6 +97,16 @@ class RequestStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     sdk_version: str | None = None
+
+
+async def sweep_stalls(active: set[GenerationBody], limit: float) -> None:
+    """One task per process (not per request) checks every in-flight body for a stalled
+    client write, every quarter of the stall limit."""
+    while True:
+        await trio.sleep(max(limit / 4, 0.05))
+        now = trio.current_time()
+        for body in list(active):
+            body.check_stall(now)
 
 
 class GenerationBody(ResponseBody):
@@ -160,7 +171,6 @@ class GenerationBody(ResponseBody):
         self._nursery_cm = trio.open_nursery()
         self._nursery = await self._nursery_cm.__aenter__()
         self._launch()
-        self._nursery.start_soon(self._stall_watchdog)
         return self
 
     async def __aexit__(  # type: ignore[override]
@@ -168,7 +178,6 @@ class GenerationBody(ResponseBody):
     ) -> bool | None:
         self._cancel_all("client" if exc_type is not None else "done")
         assert self._nursery is not None
-        self._nursery.cancel_scope.cancel()  # stops the watchdog; candidates abort shielded
         try:
             return bool(await self._nursery_cm.__aexit__(exc_type, exc, tb))
         finally:
@@ -211,7 +220,9 @@ class GenerationBody(ResponseBody):
                         # it, unless the engine itself refused it (no connection, an error
                         # status before any output).
                         opened = True
-                        async with self._client.stream_generate(replica.url, body) as chunks:
+                        async with self._client.stream_generate(
+                            replica.url, body, head_timeout=self._g.token_gap_timeout
+                        ) as chunks:
                             await self._pump(i, chunks, reader, send)
                     except GatewayError as e:
                         err = e
@@ -258,24 +269,34 @@ class GenerationBody(ResponseBody):
         decoder = SSEDecoder(self._g.max_sse_line_bytes)
         gap = self._g.token_gap_timeout
         it = chunks.__aiter__()
-        while True:
-            with trio.fail_after(gap):
+        # One cancel scope whose deadline moves with every chunk: cheaper than a fresh
+        # fail_after() per chunk on the hot path.
+        with trio.CancelScope(deadline=trio.current_time() + gap) as gap_scope:
+            while True:
                 try:
                     raw = await it.__anext__()
                 except StopAsyncIteration:
                     break
-            for payload in decoder.feed(raw):
-                delta, finish = reader.feed(payload)
-                if finish is not None:
-                    self._terminal[i] = True
-                if delta is not None:
-                    await send.send((i, delta))
-                if finish is not None:
-                    await send.send((i, finish))
+                gap_scope.deadline = trio.current_time() + gap
+                if reader.done:
+                    continue  # past [DONE]: read the body to its end so the connection is reused
+                for payload in decoder.feed(raw):
+                    delta, finish = reader.feed(payload)
+                    if finish is not None:
+                        self._terminal[i] = True
+                    if delta is not None:
+                        await send.send((i, delta))
+                    if finish is not None:
+                        await send.send((i, finish))
+                    if reader.done:
+                        break
+        if gap_scope.cancelled_caught:
             if reader.done:
-                return
-        decoder.close()
-        reader.eof()
+                return  # the engine finished but kept the body open: fine, drop the connection
+            raise trio.TooSlowError
+        if not reader.done:
+            decoder.close()
+            reader.eof()
 
     def _cancel(self, i: int, cause: str) -> None:
         if self._causes[i] is None:
@@ -287,15 +308,12 @@ class GenerationBody(ResponseBody):
             if not self._terminal[i]:
                 self._cancel(i, cause)
 
-    async def _stall_watchdog(self) -> None:
-        limit = self._g.client_stall_timeout
-        while True:
-            await trio.sleep(max(limit / 4, 0.05))
-            since = self.writing_since
-            if since is not None and trio.current_time() - since > limit:
-                log.info("request %s: client stalled; aborting upstream", self.stats.request_id)
-                self._cancel_all("stall")
-                return
+    def check_stall(self, now: float) -> None:
+        """Abort every candidate when one client write has been parked too long."""
+        since = self.writing_since
+        if since is not None and now - since > self._g.client_stall_timeout and not self._done:
+            log.info("request %s: client stalled; aborting upstream", self.stats.request_id)
+            self._cancel_all("stall")
 
     # ------------------------------------------------------------------ merging
     def _handle(self, ev: Event) -> bytes:

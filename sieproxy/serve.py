@@ -35,7 +35,7 @@ from .core.toolparse import make_tool_parser
 from .engine_client import EngineClient
 from .observe import Observer
 from .pool import ModelPool
-from .relay import GenerationBody
+from .relay import GenerationBody, sweep_stalls
 from .settings import ConfigError, EngineSpec, ModelSettings, Settings
 from .tokenizer_dir import read_tokenizer_dir
 
@@ -174,6 +174,7 @@ def build_app(settings: Settings) -> Quart:
     @app.before_serving
     async def _start_background() -> None:
         nursery: trio.Nursery = app.nursery  # type: ignore[attr-defined]
+        nursery.start_soon(sweep_stalls, state.active, settings.gateway.client_stall_timeout)
         for name, pool in state.pools.items():
             nursery.start_soon(pool.run_health_checks, state.client)
             if not pool.gate_open:

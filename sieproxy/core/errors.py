@@ -51,6 +51,10 @@ __all__ = [
 ]
 
 
+_MAX_MESSAGE = 512
+_MAX_PARAM = 128
+
+
 class GatewayError(Exception):
     """Base class: an error with an HTTP status and an OpenAI error envelope."""
 
@@ -66,6 +70,12 @@ class GatewayError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        # Messages and params may quote client input (a field name, a model name): clip them so
+        # an error body stays small whatever the request held.
+        if len(message) > _MAX_MESSAGE:
+            message = message[:_MAX_MESSAGE] + "…"
+        if param is not None and len(param) > _MAX_PARAM:
+            param = param[:_MAX_PARAM] + "…"
         super().__init__(message)
         self.message = message
         self.param = param

@@ -21,8 +21,6 @@ class StopMatcher:
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in dict.fromkeys(stops) if s]
-        self._prefixes = {s[:i] for s in self.stops for i in range(1, len(s))}
-        self._max_hold = max((len(s) - 1 for s in self.stops), default=0)
         self._held = ""
         self.matched: str | None = None
 
@@ -47,11 +45,19 @@ class StopMatcher:
             self.matched = best
             self._held = ""
             return buf[:best_start], True
+        # The longest tail of ``buf`` that is a proper prefix of some stop string: per stop
+        # string, only positions holding its first character within its reach are tried, with
+        # no per-stop prefix table (that costs O(len²) memory).
         hold = 0
-        for k in range(min(len(buf), self._max_hold), 0, -1):
-            if buf[-k:] in self._prefixes:
-                hold = k
-                break
+        n = len(buf)
+        for s in self.stops:
+            first = s[0]
+            p = buf.find(first, max(0, n - len(s) + 1))
+            while p != -1 and n - p > hold:
+                if s.startswith(buf[p:]):
+                    hold = n - p
+                    break
+                p = buf.find(first, p + 1)
         if hold:
             self._held = buf[-hold:]
             return buf[:-hold], False

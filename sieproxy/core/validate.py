@@ -84,6 +84,7 @@ __all__ = [
     "MAX_CANDIDATES",
     "MAX_LOGIT_BIAS",
     "MAX_STOP",
+    "MAX_STOP_LENGTH",
     "check_chat",
     "check_completion",
     "decode_chat",
@@ -92,6 +93,8 @@ __all__ = [
 
 MAX_CANDIDATES = 128
 MAX_STOP = 32  # SGLang's MAX_STOP_COUNT
+#: Longest stop string accepted (the gateway matches stops itself, incrementally, per choice).
+MAX_STOP_LENGTH = 512
 MAX_LOGIT_BIAS = 1024
 MAX_TOP_LOGPROBS = 20
 MAX_RISK_NAME = 128
@@ -207,6 +210,13 @@ def _decode(decode: Callable[[bytes], _T], body: bytes) -> _T:
     if not body:
         raise InvalidRequest("The request body is empty; send a JSON object.")
     try:
+        return _decode_typed(decode, body)
+    except RecursionError:
+        raise InvalidRequest("The request body is nested too deeply.") from None
+
+
+def _decode_typed(decode: Callable[[bytes], _T], body: bytes) -> _T:
+    try:
         return decode(body)
     except msgspec.ValidationError as exc:
         # msgspec validates while it parses, so a field error can be reported before the JSON
@@ -266,6 +276,10 @@ def _check_stop(stop: str | list[str] | None) -> None:
     if type(stop) is str:
         if not stop:
             raise InvalidRequest("`stop` must not be an empty string.", param="stop")
+        if len(stop) > MAX_STOP_LENGTH:
+            raise InvalidRequest(
+                f"A stop string may be at most {MAX_STOP_LENGTH} characters long.", param="stop"
+            )
         return
     if len(stop) > MAX_STOP:
         raise InvalidRequest(f"`stop` may hold at most {MAX_STOP} strings.", param="stop")
@@ -273,6 +287,11 @@ def _check_stop(stop: str | list[str] | None) -> None:
         if not s:
             raise InvalidRequest(
                 "Stop strings must not be empty; remove the empty entry.", param=f"stop[{i}]"
+            )
+        if len(s) > MAX_STOP_LENGTH:
+            raise InvalidRequest(
+                f"Stop strings may be at most {MAX_STOP_LENGTH} characters long.",
+                param=f"stop[{i}]",
             )
 
 
@@ -311,7 +330,7 @@ def _check_logit_bias(bias: dict[str, float]) -> None:
             f"`logit_bias` may hold at most {MAX_LOGIT_BIAS} token ids.", param="logit_bias"
         )
     for key, value in bias.items():
-        if not (key.isascii() and key.isdigit() and int(key) <= _INT32_MAX):
+        if not (len(key) <= 10 and key.isascii() and key.isdigit() and int(key) <= _INT32_MAX):
             raise InvalidRequest(
                 "`logit_bias` keys must be token ids written as non-negative integers.",
                 param=f"logit_bias.{key}",

@@ -1,0 +1,510 @@
+"""The fault matrix: every engine fault and every client misbehaviour, end to end.
+
+Each case asserts what the client got (a proper status before any chunk, or a 200 whose SSE
+ends with ``data: {"error": ...}`` then ``data: [DONE]`` after the first chunk), what the engine
+saw (the rids it was asked for, that nothing is still running, and at most / exactly one
+``/abort_request`` per rid), and that the gateway then still serves a normal request.
+
+Rids are ``<X-Request-Id>-<index>``: a test picks the request id, so the fake engine's script
+can fault exactly the candidates it means to.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from engine.fake import Call, DefaultScript, FakeEngine, Fault, FaultKind, Plan, abort_finish
+from sieproxy.settings import Settings
+
+from .harness import MODEL, Gateway, running_gateway, sse_events
+
+CHAT = "/v1/chat/completions"
+SECRET = "SECRET-ENGINE-TEXT"
+TOKENS = [f" w{k}" for k in range(6)]
+
+# ---- helpers -------------------------------------------------------------------------------
+
+
+def chat_body(**extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 64,
+    }
+    body.update(extra)
+    return body
+
+
+def faulty(plan: Plan | Callable[[Call], Plan | None], prefix: str = "fault") -> Any:
+    """A script that plays ``plan`` for rids starting with ``prefix``, the default otherwise."""
+    default = DefaultScript()
+
+    def script(call: Call) -> Plan:
+        if call.rid.startswith(prefix):
+            p = plan(call) if callable(plan) else plan
+            if p is not None:
+                return p
+        return default(call)
+
+    return script
+
+
+def check_envelope(obj: Any) -> dict[str, Any]:
+    assert isinstance(obj, dict) and list(obj) == ["error"], obj
+    err = obj["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"].strip(), err
+    assert SECRET not in err["message"]
+    return err
+
+
+def check_status_error(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status, (r.status_code, r.text)
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    assert SECRET not in r.text
+    err = check_envelope(r.json())
+    if status == 503:
+        assert int(r.headers["retry-after"]) >= 1
+    return err
+
+
+def check_sse_error_tail(text: str) -> tuple[dict[str, Any], list[Any]]:
+    """The stream ends with exactly one error event then one ``[DONE]``."""
+    assert SECRET not in text
+    events = sse_events(text)
+    assert events[-1] == "[DONE]", events[-3:]
+    assert events.count("[DONE]") == 1
+    errors = [e for e in events[:-1] if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1, events
+    assert events[-2] is errors[0], "the error event is the last event before [DONE]"
+    return check_envelope(events[-2]), events
+
+
+def generate_rids(engine: FakeEngine) -> list[str]:
+    return [b["rid"] for p, b in engine.requests if p == "/generate" and isinstance(b, dict)]
+
+
+async def settled(engine: FakeEngine, timeout: float = 10.0) -> None:
+    with trio.fail_after(timeout):
+        await engine.wait_for(lambda: not engine.running)
+
+
+async def aborted_once(engine: FakeEngine, rids: list[str], timeout: float = 10.0) -> None:
+    """Wait until every rid in ``rids`` got its abort; then each got exactly one."""
+    with trio.fail_after(timeout):
+        await engine.wait_for(lambda: all(r in engine.aborts for r in rids))
+    await trio.sleep(0.1)  # a duplicate would have arrived by now
+    counts = Counter(engine.aborts)
+    assert {r: counts[r] for r in rids} == dict.fromkeys(rids, 1), counts
+
+
+def at_most_one_abort(engine: FakeEngine) -> None:
+    counts = Counter(engine.aborts)
+    assert all(v == 1 for v in counts.values()), counts
+
+
+async def still_serves(gw: Gateway) -> None:
+    with trio.fail_after(20):
+        r = await gw.client.post(CHAT, json=chat_body(max_tokens=3))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        r = await gw.client.post(CHAT, json=chat_body(max_tokens=3, n=2, stream=True))
+        assert r.status_code == 200, r.text
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]"
+        assert not any("error" in e for e in events[:-1])
+
+
+async def post(gw: Gateway, rid: str, **extra: Any) -> httpx.Response:
+    with trio.fail_after(20):
+        return await gw.client.post(CHAT, json=chat_body(**extra), headers={"X-Request-Id": rid})
+
+
+def host_port(gw: Gateway) -> tuple[str, int]:
+    host, port = gw.url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+def raw_request(body: dict[str, Any], rid: str) -> bytes:
+    data = json.dumps(body).encode()
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"X-Request-Id: {rid}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+
+
+# ---- engine refuses connections ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_engine_refusing_connections_is_503_then_recovers(stream: bool) -> None:
+    engine = FakeEngine()
+    async with trio.open_nursery() as nursery:
+        scope = trio.CancelScope()
+
+        async def run_engine(port: int = 0, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            with scope:
+                await engine.serve(port=port, task_status=task_status)
+
+        port = await nursery.start(run_engine)
+
+        def hook(settings: Settings) -> None:
+            settings.models[MODEL].engines = [f"http://127.0.0.1:{port}"]
+
+        async with running_gateway(settings_hook=hook) as gw:
+            r = await post(gw, "warm", max_tokens=2)
+            assert r.status_code == 200, r.text
+            engine.close_listener()  # connecting is refused
+            scope.cancel()  # and the open (pooled) connections are dropped
+            await trio.sleep(0.05)
+            before = len(engine.requests)
+            for i in range(3):
+                r = await post(gw, f"refused{i}", max_tokens=2, stream=stream)
+                check_status_error(r, 503)
+            assert len(engine.requests) == before, "nothing reached the engine"
+            # The engine comes back on the same port; the gateway serves again.
+            scope = trio.CancelScope()
+            await nursery.start(run_engine, port)
+            with trio.fail_after(15):
+                while (await gw.client.get("/readyz")).status_code != 200:
+                    await trio.sleep(0.05)
+            await still_serves(gw)
+            assert engine.aborts == []
+        scope.cancel()
+
+
+# ---- faults before any chunk: a proper status ------------------------------------------------
+
+# (id, plan, status, error code)
+PRE_CHUNK: list[tuple[str, Plan, int, str]] = [
+    ("http500", Plan(TOKENS, fault=Fault.http_error(500, SECRET)), 502, "upstream_error"),
+    ("http503", Plan(TOKENS, fault=Fault.http_error(503, SECRET)), 503, "engine_unavailable"),
+    ("http400", Plan(TOKENS, fault=Fault.http_error(400, SECRET)), 400, "invalid_request"),
+    ("reset_after_head", Plan(TOKENS, fault=Fault.reset(0)), 502, "upstream_truncated"),
+    ("eof_clean", Plan(TOKENS, fault=Fault.eof(0)), 502, "upstream_truncated"),
+    ("eof_abrupt", Plan(TOKENS, fault=Fault.eof(0, clean=False)), 502, "upstream_truncated"),
+    ("malformed", Plan(TOKENS, fault=Fault.malformed(0)), 500, "malformed_upstream"),
+    ("event_500", Plan(TOKENS, fault=Fault.error_event(0, SECRET, 500)), 500, "upstream_error"),
+    ("event_400", Plan(TOKENS, fault=Fault.error_event(0, SECRET, 400)), 400, "invalid_request"),
+    ("abort_503", Plan([], finish=abort_finish(SECRET, 503, "X")), 503, "upstream_aborted"),
+    ("abort_400", Plan([], finish=abort_finish(SECRET, 400, "X")), 400, "invalid_request"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("plan", "status", "code"), [c[1:] for c in PRE_CHUNK], ids=[c[0] for c in PRE_CHUNK]
+)
+async def test_fault_before_any_chunk_is_a_status(plan: Plan, status: int, code: str) -> None:
+    engine = FakeEngine(script=faulty(plan))
+    async with running_gateway(engine) as gw:
+        for stream in (False, True):
+            rid = f"fault1s{int(stream)}"
+            r = await post(gw, rid, stream=stream)
+            err = check_status_error(r, status)
+            assert err["code"] == code, (stream, err)
+            assert f"{rid}-0" in generate_rids(engine)
+            await settled(engine)
+            at_most_one_abort(engine)
+            await still_serves(gw)
+
+
+async def test_reset_before_headers_is_a_status() -> None:
+    """The engine resets the connection before its response head: not a 200."""
+    engine = FakeEngine(script=faulty(Plan(TOKENS, fault=Fault.reset(before_headers=True))))
+    async with running_gateway(engine) as gw:
+        for stream in (False, True):
+            rid = f"fault-rst-{int(stream)}"
+            r = await post(gw, rid, stream=stream)
+            assert r.status_code in (502, 503), r.text
+            check_status_error(r, r.status_code)
+            assert f"{rid}-0" in generate_rids(engine)
+        await settled(engine)
+        at_most_one_abort(engine)
+        await still_serves(gw)
+
+
+async def test_eof_before_headers_is_a_status() -> None:
+    engine = FakeEngine(
+        script=faulty(Plan(TOKENS, fault=Fault(FaultKind.EOF, before_headers=True)))
+    )
+    async with running_gateway(engine) as gw:
+        for stream in (False, True):
+            r = await post(gw, f"fault-eof-{int(stream)}", stream=stream)
+            assert r.status_code in (502, 503), r.text
+            check_status_error(r, r.status_code)
+        await settled(engine)
+        at_most_one_abort(engine)
+        await still_serves(gw)
+
+
+# ---- faults after the first chunk: 200, SSE error, [DONE] ----------------------------------
+
+# (id, plan, error code); the fault fires after two tokens went out
+MID_STREAM: list[tuple[str, Plan, str]] = [
+    ("reset", Plan(TOKENS, fault=Fault.reset(2)), "upstream_truncated"),
+    ("eof_clean", Plan(TOKENS, fault=Fault.eof(2)), "upstream_truncated"),
+    ("eof_abrupt", Plan(TOKENS, fault=Fault.eof(2, clean=False)), "upstream_truncated"),
+    ("malformed", Plan(TOKENS, fault=Fault.malformed(2)), "malformed_upstream"),
+    ("error_event_500", Plan(TOKENS, fault=Fault.error_event(2, SECRET, 500)), "upstream_error"),
+    ("error_event_400", Plan(TOKENS, fault=Fault.error_event(2, SECRET, 400)), "invalid_request"),
+    ("abort_503", Plan(TOKENS, finish=abort_finish(SECRET, 503, "X")), "upstream_aborted"),
+    ("abort_400", Plan(TOKENS, finish=abort_finish(SECRET, 400, "X")), "invalid_request"),
+]
+
+
+@pytest.mark.parametrize(
+    ("plan", "code"), [c[1:] for c in MID_STREAM], ids=[c[0] for c in MID_STREAM]
+)
+async def test_fault_after_first_chunk_streaming(plan: Plan, code: str) -> None:
+    engine = FakeEngine(script=faulty(plan))
+    async with running_gateway(engine) as gw:
+        r = await post(gw, "fault2", stream=True)
+        assert r.status_code == 200, r.text
+        err, events = check_sse_error_tail(r.text)
+        assert err["code"] == code, err
+        text = "".join(
+            e["choices"][0]["delta"].get("content") or ""
+            for e in events
+            if isinstance(e, dict) and e.get("choices")
+        )
+        assert text.startswith(" w0 w1"), events
+        assert not any(
+            e["choices"][0]["finish_reason"]
+            for e in events
+            if isinstance(e, dict) and e.get("choices")
+        ), "no closure chunk for a choice that failed"
+        assert generate_rids(engine) == ["fault2-0"]
+        await settled(engine)
+        at_most_one_abort(engine)
+        await still_serves(gw)
+
+
+MID_STATUS = {
+    "upstream_truncated": 502,
+    "malformed_upstream": 500,
+    "upstream_error": 500,
+    "invalid_request": 400,
+    "upstream_aborted": 503,
+}
+
+
+@pytest.mark.parametrize(
+    ("plan", "code"), [c[1:] for c in MID_STREAM], ids=[c[0] for c in MID_STREAM]
+)
+async def test_fault_after_first_chunk_non_streaming(plan: Plan, code: str) -> None:
+    """Not streaming: the whole answer is collected first, so any fault is a status."""
+    engine = FakeEngine(script=faulty(plan))
+    async with running_gateway(engine) as gw:
+        r = await post(gw, "fault3", stream=False)
+        err = check_status_error(r, MID_STATUS[code])
+        assert err["code"] == code
+        await settled(engine)
+        at_most_one_abort(engine)
+        await still_serves(gw)
+
+
+# ---- engine hangs ----------------------------------------------------------------------------
+
+HANGS: list[tuple[str, Fault, bool]] = [
+    # (id, fault, a chunk went out before it)
+    ("before_headers", Fault.hang(before_headers=True), False),
+    ("before_first_token", Fault.hang(0), False),
+    ("between_tokens", Fault.hang(2), True),
+]
+
+
+@pytest.mark.parametrize(
+    ("fault", "after_chunk"), [c[1:] for c in HANGS], ids=[c[0] for c in HANGS]
+)
+async def test_engine_hang_times_out_and_aborts(fault: Fault, after_chunk: bool) -> None:
+    """token_gap_timeout covers the time to the first token too (settings.py), so a hang
+    anywhere ends the request within a bounded time and aborts the hung rid upstream."""
+    engine = FakeEngine(script=faulty(Plan(TOKENS, fault=fault)))
+    async with running_gateway(engine, token_gap_timeout=0.5) as gw:
+        for stream in (False, True):
+            rid = f"fault-hang{int(stream)}"
+            t0 = trio.current_time()
+            with trio.fail_after(8):
+                r = await gw.client.post(
+                    CHAT, json=chat_body(stream=stream), headers={"X-Request-Id": rid}
+                )
+            elapsed = trio.current_time() - t0
+            assert elapsed < 5, f"answered after {elapsed:.1f}s with a 0.5s token gap"
+            if stream and after_chunk:
+                assert r.status_code == 200
+                err, _ = check_sse_error_tail(r.text)
+            else:
+                err = check_status_error(r, 504)
+            assert err["code"] == "upstream_timeout", err
+            # The hung generation was aborted upstream, once, and nothing runs any more.
+            await aborted_once(engine, [f"{rid}-0"])
+            await settled(engine)
+            await still_serves(gw)
+
+
+# ---- the client goes away --------------------------------------------------------------------
+
+
+def long_plan(call: Call) -> Plan:
+    return Plan([f" t{k}" for k in range(400)], itl=0.02)
+
+
+BEFORE_HEADERS = {
+    # the engine sent its head but no token yet (the gateway is priming)
+    "engine_slow": Plan(TOKENS, ttft=30.0),
+    # the engine has not even sent its response head
+    "engine_no_head": Plan(TOKENS, fault=Fault.hang(before_headers=True)),
+}
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("engine_state", list(BEFORE_HEADERS))
+async def test_client_disconnect_before_headers(n: int, engine_state: str) -> None:
+    engine = FakeEngine(script=faulty(BEFORE_HEADERS[engine_state]))
+    async with running_gateway(engine) as gw:
+        rids = [f"fault-gone-{i}" for i in range(n)]
+        async with trio.open_nursery() as nursery:
+            scope = trio.CancelScope()
+
+            async def client() -> None:
+                with scope:
+                    await gw.client.post(
+                        CHAT,
+                        json=chat_body(stream=True, n=n),
+                        headers={"X-Request-Id": "fault-gone"},
+                    )
+
+            nursery.start_soon(client)
+            with trio.fail_after(10):
+                await engine.wait_for(lambda: engine.running >= set(rids))
+            await trio.sleep(0.1)
+            scope.cancel()
+        await aborted_once(engine, rids)
+        await settled(engine)
+        assert set(engine.finished).isdisjoint(rids)
+        await still_serves(gw)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+async def test_client_disconnect_mid_stream(n: int) -> None:
+    engine = FakeEngine(script=faulty(long_plan))
+    async with running_gateway(engine) as gw:
+        rids = [f"fault-mid-{i}" for i in range(n)]
+        with trio.fail_after(20):
+            async with gw.client.stream(
+                "POST",
+                CHAT,
+                json=chat_body(stream=True, n=n, max_tokens=400),
+                headers={"X-Request-Id": "fault-mid"},
+            ) as r:
+                assert r.status_code == 200
+                seen = 0
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        seen += 1
+                    if seen >= n + 5:  # role chunks plus a few content chunks
+                        break
+        await aborted_once(engine, rids)
+        await settled(engine)
+        assert set(engine.finished).isdisjoint(rids)
+        await still_serves(gw)
+
+
+async def test_client_cancels_non_streaming_request() -> None:
+    engine = FakeEngine(script=faulty(long_plan))
+    async with running_gateway(engine) as gw:
+        rids = [f"fault-ns-{i}" for i in range(2)]
+        with trio.move_on_after(0.5) as scope:
+            await gw.client.post(
+                CHAT,
+                json=chat_body(n=2, max_tokens=400),
+                headers={"X-Request-Id": "fault-ns"},
+            )
+        assert scope.cancelled_caught, "the 8-second generation cannot have finished"
+        await aborted_once(engine, rids)
+        await settled(engine)
+        assert set(engine.finished).isdisjoint(rids)
+        await still_serves(gw)
+
+
+async def test_client_that_reads_nothing_gets_upstream_aborted() -> None:
+    """A client that stops reading: after client_stall_timeout the candidates are aborted,
+    even though the gateway's write to the socket is still parked."""
+    big = "x" * 2000
+    engine = FakeEngine(
+        script=faulty(lambda c: Plan([big + str(k) for k in range(20_000)], itl=0.0005))
+    )
+    async with running_gateway(engine, client_stall_timeout=0.5) as gw:
+        host, port = host_port(gw)
+        sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        await sock.connect((host, port))
+        stream = trio.SocketStream(sock)
+        try:
+            body = chat_body(stream=True, max_tokens=20_000)
+            await stream.send_all(raw_request(body, "fault-stall"))
+            t0 = trio.current_time()
+            with trio.fail_after(20):
+                await engine.wait_for(lambda: "fault-stall-0" in engine.aborts)
+            took = trio.current_time() - t0
+            await settled(engine)
+            assert "fault-stall-0" not in engine.finished
+            assert Counter(engine.aborts)["fault-stall-0"] == 1
+            assert took < 15, took
+        finally:
+            await stream.aclose()
+        await still_serves(gw)
+
+
+# ---- fan-out -------------------------------------------------------------------------------
+
+
+async def test_n128_one_candidate_fails() -> None:
+    """n=128 with candidate 77 failing after a few tokens: error event then [DONE], every
+    other (unfinished) candidate aborted exactly once, nothing left running."""
+
+    def script(call: Call) -> Plan:
+        if call.rid.endswith("-77"):
+            # Late enough that every sibling has its response head by then (fanning 128 new
+            # upstream connections out takes seconds on a loaded 2-CPU box).
+            return Plan(TOKENS, ttft=4.0, itl=0.05, fault=Fault.error_event(3, SECRET, 500))
+        return Plan([f" c{k}" for k in range(500)], itl=0.02)
+
+    engine = FakeEngine(script=script)
+    async with running_gateway(engine) as gw:
+        r = await post(gw, "fan", stream=True, n=128, max_tokens=500)
+        assert r.status_code == 200, r.text
+        err, events = check_sse_error_tail(r.text)
+        assert err["code"] == "upstream_error"
+        assert [e["choices"][0]["index"] for e in events[:128]] == list(range(128))
+        rids = [f"fan-{i}" for i in range(128)]
+        assert sorted(generate_rids(engine)) == sorted(rids)
+        others = [r for r in rids if r != "fan-77"]
+        await aborted_once(engine, others)
+        await settled(engine)
+        assert engine.finished == [], "a 10-second generation cannot have finished"
+        counts = Counter(engine.aborts)
+        assert counts["fan-77"] <= 1
+        assert set(counts) <= set(rids)
+        await still_serves(gw)
+
+
+async def test_n4_all_finish_no_aborts() -> None:
+    engine = FakeEngine()
+    async with running_gateway(engine) as gw:
+        for stream in (True, False):
+            r = await post(gw, f"ok{int(stream)}", stream=stream, n=4, max_tokens=8)
+            assert r.status_code == 200, r.text
+        await settled(engine)
+        await trio.sleep(0.2)
+        assert engine.aborts == []
+        assert sorted(engine.finished) == sorted(f"ok{s}-{i}" for s in (0, 1) for i in range(4))

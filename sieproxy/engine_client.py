@@ -55,26 +55,51 @@ def _map_errors(url: str) -> Iterator[None]:
 
 
 class EngineClient:
-    """One pooled httpx client for every engine replica."""
+    """Pooled httpx clients for every engine replica.
 
-    def __init__(self, g: GatewaySettings, transport: httpx.AsyncBaseTransport | None = None):
+    httpcore's pool scans all of its connections on every request start and finish, which is
+    O(connections) per request and shows up at a few hundred concurrent streams; the pool is
+    therefore split into shards (independent ``AsyncClient``s, the limits divided among them),
+    and each request picks a shard from its rid, so a scan sees a fraction of the connections.
+    """
+
+    def __init__(
+        self,
+        g: GatewaySettings,
+        transport: httpx.AsyncBaseTransport | None = None,
+        *,
+        shards: int | None = None,
+    ):
         self._g = g
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(
-                connect=g.connect_timeout, read=None, write=g.connect_timeout, pool=g.pool_timeout
-            ),
-            limits=httpx.Limits(
-                max_connections=g.max_connections,
-                max_keepalive_connections=g.max_keepalive_connections,
-                keepalive_expiry=30.0,
-            ),
-            transport=transport,
-            follow_redirects=False,  # engines are reached only at configured URLs
-            trust_env=False,  # no proxy from the environment between gateway and engines
-        )
+        if shards is None:
+            shards = 1 if transport is not None else max(1, min(16, g.max_connections // 64))
+        self._clients = [
+            httpx.AsyncClient(
+                timeout=httpx.Timeout(
+                    connect=g.connect_timeout,
+                    read=None,
+                    write=g.connect_timeout,
+                    pool=g.pool_timeout,
+                ),
+                limits=httpx.Limits(
+                    max_connections=max(1, g.max_connections // shards),
+                    max_keepalive_connections=max(1, g.max_keepalive_connections // shards),
+                    keepalive_expiry=30.0,
+                ),
+                transport=transport,
+                follow_redirects=False,  # engines are reached only at configured URLs
+                trust_env=False,  # no proxy from the environment between gateway and engines
+            )
+            for _ in range(shards)
+        ]
+        self._client = self._clients[0]  # side requests (health, info, aborts)
+
+    def _shard(self, key: str) -> httpx.AsyncClient:
+        return self._clients[hash(key) % len(self._clients)]
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        for c in self._clients:
+            await c.aclose()
 
     @contextlib.asynccontextmanager
     async def stream_generate(
@@ -84,10 +109,11 @@ class EngineClient:
 
         ``head_timeout`` bounds the wait for the response head (``trio.TooSlowError``)."""
         url = base + "/generate"
+        client = self._shard(str(body.get("rid", "")))
         with _map_errors(url):
-            req = self._client.build_request("POST", url, content=_encode(body), headers=_JSON)
+            req = client.build_request("POST", url, content=_encode(body), headers=_JSON)
             with trio.fail_after(head_timeout if head_timeout is not None else math.inf):
-                resp = await self._client.send(req, stream=True)
+                resp = await client.send(req, stream=True)
             try:
                 if resp.status_code != 200:
                     await _drain_small(resp)
@@ -100,7 +126,9 @@ class EngineClient:
         """POST ``/generate`` (not streaming); returns the 200 body."""
         url = base + "/generate"
         with _map_errors(url):
-            resp = await self._client.post(url, content=_encode(body), headers=_JSON)
+            resp = await self._shard(str(body.get("rid", ""))).post(
+                url, content=_encode(body), headers=_JSON
+            )
             if resp.status_code != 200:
                 raise _status_error(resp.status_code)
             return resp.content

@@ -80,22 +80,33 @@ async def post(gw: Gateway, path: str, payload: dict[str, Any], **headers: str) 
     return await gw.client.post(path, json=payload, headers={**AUTH, **headers})
 
 
-async def disconnect_after_first_chunk(gw: Gateway, payload: dict[str, Any], rid: str) -> None:
+async def disconnect_after_first_chunk(
+    gw: Gateway, payload: dict[str, Any], rid: str, hold: trio.Event | None = None
+) -> None:
+    """Read the first chunk, wait for ``hold`` (if given), then leave."""
     async with gw.client.stream(
         "POST", "/v1/chat/completions", json=payload, headers={**AUTH, "X-Request-Id": rid}
     ) as r:
         assert r.status_code == 200
-        async for _ in r.aiter_bytes():
-            break
+        # Keep the iterator referenced while holding: an abandoned async generator is finalized
+        # (closing the response, i.e. leaving) whenever the garbage collector gets to it.
+        chunks = r.aiter_bytes()
+        await chunks.__anext__()
+        if hold is not None:
+            await hold.wait()
+        await chunks.aclose()
 
 
 async def wait_metric(gw: Gateway, name: str, value: float, **labels: str) -> Samples:
-    with trio.fail_after(5):
+    seen: list[float] = []
+    with trio.move_on_after(5):
         while True:
             m, _ = await scrape(gw)
-            if total(m, name, **labels) >= value:
+            seen.append(total(m, name, **labels))
+            if seen[-1] >= value:
                 return m
             await trio.sleep(0.02)
+    raise AssertionError(f"{name}{labels} never reached {value}: saw {sorted(set(seen))}")
 
 
 def assert_no_user_data(text: str) -> None:
@@ -153,18 +164,21 @@ async def test_metrics_agree_with_traffic() -> None:
 
             # in flight: an n=2 slow stream holds two candidates on one replica
             async with trio.open_nursery() as nursery:
+                seen = trio.Event()  # the client leaves only once the gauge was observed
                 nursery.start_soon(
                     disconnect_after_first_chunk,
                     gw,
                     body("SLOWCLIENT " + PROMPT, n=2, max_tokens=100, stream=True),
                     "gone1",
+                    seen,
                 )
                 m = await wait_metric(gw, "sieproxy_replica_inflight_candidates", 2)
+                seen.set()
                 per = [
                     get(m, "sieproxy_replica_inflight_candidates", model=MODEL, replica=u)
                     for u in urls
                 ]
-                assert sorted(per) == [0, 2] or sum(per) == 0  # (0 once the client left)
+                assert sorted(per) == [0, 2]
 
             # aborts by cause: client gone, best_of losers, engine error mid-stream
             m = await wait_metric(gw, "sieproxy_upstream_aborts_total", 2, cause="client")

@@ -43,6 +43,7 @@ from .errors import InvalidRequest
 from .grammar import response_format_constraint, tool_plan, with_schema_in_prompt
 from .profile import ModelProfile
 from .request import ValidChat, ValidCompletion
+from .schemas import ChatCompletionRequest, CompletionRequest
 from .template import messages_for_template, render_chat
 
 __all__ = [
@@ -97,6 +98,24 @@ def _set(params: dict[str, Any], key: str, value: Any) -> None:
         params[key] = value
 
 
+def _sampling(
+    max_tokens: int,
+    stop: list[str],
+    profile: ModelProfile,
+    req: ChatCompletionRequest | CompletionRequest,
+) -> dict[str, Any]:
+    """The ``sampling_params`` both endpoints share (only what the client set, plus the cap)."""
+    params: dict[str, Any] = {"max_new_tokens": max_tokens}
+    stops = merge_stops(stop, profile.stop)
+    if stops:
+        params["stop"] = stops
+    _set(params, "temperature", req.temperature)
+    _set(params, "top_p", req.top_p)
+    _set(params, "frequency_penalty", req.frequency_penalty)
+    _set(params, "presence_penalty", req.presence_penalty)
+    return params
+
+
 def _reasoning_open(prompt: str) -> bool:
     return prompt.rfind("<think>") > prompt.rfind("</think>")
 
@@ -123,16 +142,9 @@ def plan_chat(
             kwargs["guardian_config"] = {"risk_name": ctk.guardian_config.risk_name}
     prompt = render_chat(profile, messages, tools=tools.template_tools, template_kwargs=kwargs)
 
-    params: dict[str, Any] = {"max_new_tokens": valid.max_tokens}
+    params = _sampling(valid.max_tokens, valid.stop, profile, req)
     _set(params, "min_new_tokens", req.min_tokens)
-    stops = merge_stops(valid.stop, profile.stop)
-    if stops:
-        params["stop"] = stops
-    _set(params, "temperature", req.temperature)
-    _set(params, "top_p", req.top_p)
     _set(params, "top_k", req.top_k)
-    _set(params, "frequency_penalty", req.frequency_penalty)
-    _set(params, "presence_penalty", req.presence_penalty)
     _set(params, "repetition_penalty", req.repetition_penalty)
     if req.logit_bias:
         params["logit_bias"] = dict(req.logit_bias)
@@ -178,14 +190,7 @@ def plan_completion(
 ) -> dict[str, Any]:
     """The one ``/generate`` body of a legacy completions request (raw prompt, no template)."""
     req = valid.req
-    params: dict[str, Any] = {"max_new_tokens": valid.max_tokens}
-    stops = merge_stops(valid.stop, profile.stop)
-    if stops:
-        params["stop"] = stops
-    _set(params, "temperature", req.temperature)
-    _set(params, "top_p", req.top_p)
-    _set(params, "frequency_penalty", req.frequency_penalty)
-    _set(params, "presence_penalty", req.presence_penalty)
+    params = _sampling(valid.max_tokens, valid.stop, profile, req)
     if req.seed is not None:
         params["sampling_seed"] = candidate_seed(req.seed, 0)
     return {

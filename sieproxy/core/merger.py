@@ -171,8 +171,15 @@ def _usage(states: Sequence[ChoiceState], returned: Sequence[ChoiceState]) -> Us
 
 
 def _tool_chunks(calls: list[ToolCallDelta]) -> list[_ToolCallChunk]:
-    out = []
+    """One entry per call index per chunk (as OpenAI sends): fragments of the same call that
+    arrive together are merged, the id and name kept from the call's first fragment."""
+    out: list[_ToolCallChunk] = []
     for c in calls:
+        last = out[-1] if out else None
+        if last is not None and last.index == c.index and c.id is None and c.name is None:
+            prev = last.function.arguments
+            last.function.arguments = (prev if isinstance(prev, str) else "") + c.arguments
+            continue
         if c.id is not None or c.name is not None:
             out.append(
                 _ToolCallChunk(

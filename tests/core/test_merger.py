@@ -226,15 +226,15 @@ def test_chat_stream_reasoning_and_tools() -> None:
     deltas = [ch["delta"] for ch in per[0]]
     assert deltas[0] == {"reasoning_content": "think"}
     assert deltas[1] == {"content": "ok "}
+    # fragments of one call arriving together merge into one entry (one per index, as OpenAI)
     assert deltas[2] == {
         "tool_calls": [
             {
                 "index": 0,
                 "id": "call_0",
                 "type": "function",
-                "function": {"name": "fn", "arguments": ""},
+                "function": {"name": "fn", "arguments": "ab"},
             },
-            {"index": 0, "function": {"arguments": "ab"}},
         ]
     }
     assert deltas[3] == {"tool_calls": [{"index": 0, "function": {"arguments": "c"}}]}

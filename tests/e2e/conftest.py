@@ -1,0 +1,150 @@
+"""End-to-end fixtures: one real CPU engine subprocess per session, a real gateway per test.
+
+The engine (``python -m engine serve --model default``, SmolLM2-135M-Instruct with
+xgrammar-constrained decoding) is slow to load, so it is started once and shared; the gateway is
+cheap and lives on each test's own trio loop (pytest-trio fixtures are per test).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("torch")
+pytest.importorskip("xgrammar")
+import trio  # noqa: E402
+
+from sieproxy.serve import build_app, serve  # noqa: E402
+from sieproxy.settings import GatewaySettings, ModelSettings, Settings  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+#: The name the engine serves the model under, and the gateway's model name.
+MODEL = "smol"
+#: Model load takes ~5-60 s; be generous on a loaded 2-core machine.
+READY_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class CpuEngine:
+    url: str
+    model_dir: str
+    log_path: Path
+
+
+@pytest.fixture(scope="session")
+def cpu_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CpuEngine]:
+    """The CPU engine on a free loopback port (``--port 0``; the bound URL is read from its
+    log), ready (``/health`` 200) before the first test; terminated at the end."""
+    log_path = tmp_path_factory.mktemp("cpu-engine") / "engine.log"
+    log = log_path.open("wb")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "engine", "serve",
+            "--model", "default",
+            "--host", "127.0.0.1",
+            "--port", "0",
+            "--served-model-name", MODEL,
+            "--max-running", "16",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=str(ROOT),
+    )  # fmt: skip
+
+    def logged() -> str:
+        return log_path.read_text(errors="replace")
+
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT
+        url = None
+        while url is None:
+            m = re.search(r"listening on (http://\S+)", logged())
+            if m:
+                url = m.group(1)
+            elif proc.poll() is not None:
+                pytest.fail(f"CPU engine exited ({proc.returncode}):\n{logged()}")
+            elif time.monotonic() > deadline:
+                pytest.fail(f"CPU engine did not bind within {READY_TIMEOUT}s:\n{logged()}")
+            else:
+                time.sleep(0.05)
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=60).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                pytest.fail(f"CPU engine exited ({proc.returncode}):\n{logged()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"CPU engine not healthy within {READY_TIMEOUT}s:\n{logged()}")
+            time.sleep(0.25)
+        info = httpx.get(url + "/model_info", timeout=30).json()
+        model_dir = info["tokenizer_path"]
+        assert Path(model_dir, "tokenizer_config.json").is_file(), info
+        yield CpuEngine(url=url, model_dir=model_dir, log_path=log_path)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+
+
+@dataclass
+class CpuGateway:
+    url: str
+    client: httpx.AsyncClient
+    engine: CpuEngine
+
+
+@contextlib.asynccontextmanager
+async def cpu_gateway(engine: CpuEngine) -> AsyncIterator[CpuGateway]:
+    """A real gateway (Hypercorn on a loopback port) in front of the CPU engine, its chat
+    template read from the converted model directory (``tokenizer``)."""
+    settings = Settings(
+        gateway=GatewaySettings(
+            host="127.0.0.1",
+            port=0,
+            access_log=False,
+            # The engine's /health runs a 1-token generation: slow while the batch is full.
+            health_interval=30.0,
+            health_timeout=120.0,
+            admission_wait=60.0,
+        ),
+        models={MODEL: ModelSettings(engines=[engine.url], tokenizer=engine.model_dir)},
+    )
+    async with trio.open_nursery() as nursery:
+        app = build_app(settings)
+        stop = trio.Event()
+        binds = await nursery.start(partial(serve, settings, shutdown_trigger=stop, app=app))
+        url = binds[0]
+        timeout = httpx.Timeout(180.0, connect=10.0)
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+            with trio.fail_after(120):
+                while (await client.get("/readyz")).status_code != 200:
+                    await trio.sleep(0.05)
+            yield CpuGateway(url, client, engine)
+        stop.set()
+        nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+async def gw(cpu_engine: CpuEngine) -> AsyncIterator[CpuGateway]:
+    async with cpu_gateway(cpu_engine) as g:
+        yield g

@@ -12,6 +12,7 @@ import platform
 import resource
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +92,11 @@ def run_loadgen(cfg: dict[str, Any], layout: Layout, label: str) -> dict[str, An
     )
     assert p.stderr is not None and p.stdout is not None
     err_lines: list[str] = []
+    # Drain stdout concurrently: a result larger than the pipe buffer would otherwise block the
+    # load generator's final write while this loop still waits for stderr to close.
+    stdout_parts: list[str] = []
+    reader = threading.Thread(target=lambda: stdout_parts.append(p.stdout.read()), daemon=True)
+    reader.start()
     for line in p.stderr:
         if line.startswith("PROGRESS "):
             d = json.loads(line[9:])
@@ -100,7 +106,8 @@ def run_loadgen(cfg: dict[str, Any], layout: Layout, label: str) -> dict[str, An
             )
         else:
             err_lines.append(line)
-    out = p.stdout.read()
+    reader.join()
+    out = "".join(stdout_parts)
     p.wait()
     if p.returncode != 0 or not out:
         return {"error": "loadgen failed: " + "".join(err_lines)[-2000:]}

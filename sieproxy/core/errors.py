@@ -14,12 +14,12 @@ and the HTTP layer renders them with :meth:`GatewayError.envelope`.
     ├── InternalError                500  (misconfiguration; never echoes exception text)
     ├── ServiceUnavailable           503  (Retry-After)
     └── UpstreamError                errors that come from an engine
-        ├── EngineUnreachable        503  connect refused / reset before any byte
+        ├── EngineUnreachable        503  connection refused, connect or pool timeout
         ├── EngineHTTPError          502 / 503 / 400  the engine answered with an error status
         ├── EngineMalformed          500  "worker emitted malformed response"
         ├── EngineStreamError        500  the engine sent an in-stream `error` object
         ├── EngineAborted            status from the abort finish reason
-        ├── EngineTruncated          502  EOF without `[DONE]`
+        ├── EngineTruncated          502  EOF without `[DONE]`, or a reset (also before the head)
         └── EngineTimeout            504  no token within the configured gap / deadline
 
 Engine or library exception text is never put in ``message``: messages are the gateway's own.

@@ -92,13 +92,27 @@ class EngineClient:
             )
             for _ in range(shards)
         ]
-        self._client = self._clients[0]  # side requests (health, info, aborts)
+        # Health checks and info requests get their own small pool, so a burst of streams or
+        # aborts on the generation pools can never starve them (a starved check would mark a
+        # healthy replica not ready). Aborts go to their rid's shard, spreading bursts.
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(
+                connect=g.connect_timeout,
+                read=g.health_timeout,
+                write=g.connect_timeout,
+                pool=g.pool_timeout,
+            ),
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
+            transport=transport,
+            follow_redirects=False,
+            trust_env=False,
+        )
 
     def _shard(self, key: str) -> httpx.AsyncClient:
         return self._clients[hash(key) % len(self._clients)]
 
     async def aclose(self) -> None:
-        for c in self._clients:
+        for c in (*self._clients, self._client):
             await c.aclose()
 
     @contextlib.asynccontextmanager
@@ -136,7 +150,7 @@ class EngineClient:
     async def abort(self, base: str, rid: str) -> None:
         """POST ``/abort_request`` for exactly ``rid`` (SGLang ignores prefixes)."""
         with _map_errors(base):
-            await self._client.post(
+            await self._shard(rid).post(
                 base + "/abort_request", content=_encode({"rid": rid}), headers=_JSON
             )
 

@@ -312,7 +312,14 @@ async def test_batch_n_stream_indices_and_logprobs(server: dict[str, Any]) -> No
 
 
 async def test_json_schema_and_stop_over_http(server: dict[str, Any]) -> None:
-    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    # Bounded so the constrained output always closes well within the token cap (a length cut
+    # can end any JSON mid-way; that is not what this test is about); seeded for repeatability.
+    schema = {
+        "type": "object",
+        "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["x"],
+        "additionalProperties": False,
+    }
     async with client(server) as c:
         r = await c.post(
             "/generate",
@@ -322,10 +329,12 @@ async def test_json_schema_and_stop_over_http(server: dict[str, Any]) -> None:
                     "json_schema": json.dumps(schema),
                     "max_new_tokens": 60,
                     "temperature": 0.7,
+                    "sampling_seed": 7,
                 },
             },
         )
         assert r.status_code == 200
+        assert r.json()["meta_info"]["finish_reason"]["type"] == "stop"
         assert isinstance(json.loads(r.json()["text"])["x"], int)
         r = await c.post(
             "/generate",

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import trio
 
 from .core.errors import InvalidRequest, ServiceUnavailable
+from .engine_client import EngineClient
 from .settings import EngineSpec, GatewaySettings
 
 __all__ = ["ModelPool", "Replica", "RouteHints"]
@@ -178,16 +179,13 @@ class ModelPool:
         self._wake()
 
     # ------------------------------------------------------------------ health
-    async def run_health_checks(self, client: object) -> None:
+    async def run_health_checks(self, client: EngineClient) -> None:
         """Background health checks, one task per replica (runs until cancelled)."""
         async with trio.open_nursery() as nursery:
             for r in self.replicas:
                 nursery.start_soon(self._watch, r, client)
 
-    async def _watch(self, r: Replica, client: object) -> None:
-        from .engine_client import EngineClient
-
-        assert isinstance(client, EngineClient)
+    async def _watch(self, r: Replica, client: EngineClient) -> None:
         g = self._g
         while True:
             ok = False

@@ -146,7 +146,6 @@ class GenerationBody(ResponseBody):
         self._recv: trio.MemoryReceiveChannel[Event] | None = None
         self._nursery_cm: Any = None
         self._nursery: trio.Nursery | None = None
-        self._pending = b""
         self._done = False
         self._held = k  # admission slots held on self.replica
         self.writing_since: float | None = None  # set by the HTTP layer around each write
@@ -407,9 +406,6 @@ class GenerationBody(ResponseBody):
         return self
 
     async def __anext__(self) -> bytes:
-        if self._pending:
-            out, self._pending = self._pending, b""
-            return out
         if self._done:
             raise StopAsyncIteration
         try:
@@ -430,6 +426,3 @@ class GenerationBody(ResponseBody):
             self._done = True
             return self._shaper.end()
         return frames
-
-    def set_pending(self, data: bytes) -> None:
-        self._pending = data

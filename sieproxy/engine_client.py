@@ -1,20 +1,35 @@
-"""The upstream HTTP client: SGLang's native API over httpx on Trio.
+"""The upstream HTTP client: SGLang's native API on Trio.
 
-This is the one boundary where transport exceptions become core errors (``_map_errors``).
-httpx's defaults (5 s timeouts, 100/20 pool limits) are wrong for token streams and fan-out, so
-``Timeout`` and ``Limits`` come from settings: no read timeout (the gateway enforces its own
-token-gap timeout per chunk), explicit connect/pool/write timeouts, large pools.
+This is the one boundary where transport exceptions become core errors. Two clients live here:
 
-A stream that is left early is closed, never returned to the pool half-read (httpx closes the
-connection of a response that is closed before it was fully read).
+* **The generation path** (``/generate`` streams and ``/abort_request``) uses the gateway's own
+  HTTP/1.1 connection pool: trio sockets plus the sans-IO framing of ``core.http1``. It exists
+  because every relayed token crosses it: httpx over httpcore over h11 cost ~19 % of the
+  gateway's CPU per relayed chunk (six nested async generators and context managers per
+  received chunk, a pool scan per request); see docs/DESIGN.md "Upstream client" for the
+  measurements. It keeps what the hot path needs and nothing else: keep-alive reuse (LIFO, idle
+  connections checked for a peer close before reuse and dropped after ``_IDLE_EXPIRY`` seconds,
+  below uvicorn's 5 s keep-alive default), a cap on connections in use (``max_connections``, wait
+  up to ``pool_timeout``), a cap on idle connections (``max_keepalive_connections``), connect
+  and write timeouts (``connect_timeout``) and no read timeout (the relay enforces the token-gap
+  timeout per chunk). ``https://`` engines go through ``trio.SSLStream`` with the system trust
+  store. Redirects are never followed: engines are reached only at configured URLs.
+* **Health and info checks** (cold path, their own small pool so a burst of streams can never
+  starve them) use httpx with explicit timeouts.
+
+A stream that is left early is closed, never returned to the pool half-read.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import select
+import ssl
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import msgspec
@@ -27,74 +42,134 @@ from .core.errors import (
     EngineUnreachable,
     GatewayError,
 )
+from .core.http1 import FramingError, ResponseParser, request_head
 from .settings import GatewaySettings
 
-__all__ = ["EngineClient"]
+__all__ = ["EngineClient", "UpstreamResponse"]
 
 _encode = msgspec.json.Encoder().encode
-_JSON = {"content-type": "application/json"}
+_RECV = 65536
+#: Idle upstream connections older than this are closed instead of reused (uvicorn, which
+#: SGLang's HTTP server runs on, closes idle keep-alive connections after 5 s by default).
+_IDLE_EXPIRY = 4.0
+#: A non-200 answer's body is read (and dropped) up to this size so the connection can be reused.
+_DRAIN_LIMIT = 65536
+_BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+
+@dataclass(slots=True)
+class _Origin:
+    """One engine base URL, parsed once."""
+
+    key: str
+    host: str
+    port: int
+    authority: str
+    prefix: str
+    tls: bool
+
+
+@dataclass(slots=True, eq=False)
+class _Conn:
+    stream: trio.abc.Stream
+    sock: trio.socket.SocketType
+    idle_since: float = 0.0
+
+    def close(self) -> None:
+        """Close now, synchronously (safe inside a cancelled scope; wakes any waiter)."""
+        self.sock.close()
+
+    def dead(self) -> bool:
+        """An idle connection that is readable has been closed by the peer (or sent bytes
+        nobody asked for): it must not carry a request."""
+        try:
+            poller = select.poll()
+            poller.register(self.sock.fileno(), select.POLLIN)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):
+            return True
 
 
 @contextlib.contextmanager
-def _map_errors(url: str) -> Iterator[None]:
-    """Translate httpx transport errors into gateway errors (engine text is never echoed)."""
+def _broken(message: str) -> Iterator[None]:
+    """Map socket and framing failures on an open connection to ``EngineTruncated``."""
     try:
         yield
-    except GatewayError:
-        raise
-    except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-        raise EngineUnreachable() from exc
-    except httpx.RemoteProtocolError as exc:
-        raise EngineTruncated() from exc
-    except (httpx.ReadError, httpx.WriteError, httpx.CloseError) as exc:
-        raise EngineTruncated("The connection to the engine broke mid-response.") from exc
-    except httpx.TimeoutException as exc:
-        raise EngineUnreachable("The engine did not answer in time; retry shortly.") from exc
-    except httpx.HTTPError as exc:
-        raise EngineTruncated("The engine connection failed.") from exc
+    except FramingError as exc:
+        raise EngineTruncated("The engine sent a malformed HTTP response.") from exc
+    except _BROKEN as exc:
+        raise EngineTruncated(message) from exc
+
+
+class UpstreamResponse:
+    """An engine response whose head has arrived; ``receive()`` returns body bytes, ``b""`` at
+    the end of the body."""
+
+    __slots__ = ("_conn", "_parser", "_pending", "status")
+
+    def __init__(self, conn: _Conn, parser: ResponseParser, pending: bytes) -> None:
+        self._conn = conn
+        self._parser = parser
+        self._pending = pending  # body bytes that arrived with the head
+        assert parser.status is not None
+        self.status: int = parser.status
+
+    @property
+    def complete(self) -> bool:
+        return self._parser.done
+
+    @property
+    def reusable(self) -> bool:
+        return self._parser.done and self._parser.keep_alive
+
+    async def receive(self) -> bytes:
+        if self._pending:
+            out, self._pending = self._pending, b""
+            return out
+        parser = self._parser
+        while not parser.done:
+            with _broken("The connection to the engine broke mid-response."):
+                data = await self._conn.stream.receive_some(_RECV)
+                if type(data) is not bytes:  # SSLStream returns a bytearray
+                    data = bytes(data)
+                if not data:
+                    parser.eof()
+                    return b""
+                out = parser.feed(data)
+            if out:
+                return out
+        return b""
+
+    async def read_all(self, limit: int) -> bytes:
+        parts: list[bytes] = []
+        size = 0
+        while chunk := await self.receive():
+            size += len(chunk)
+            if size > limit:
+                raise EngineTruncated("The engine's response was too large.")
+            parts.append(chunk)
+        return b"".join(parts)
 
 
 class EngineClient:
-    """Pooled httpx clients for every engine replica.
-
-    httpcore's pool scans all of its connections on every request start and finish, which is
-    O(connections) per request and shows up at a few hundred concurrent streams; the pool is
-    therefore split into shards (independent ``AsyncClient``s, the limits divided among them),
-    and each request picks a shard from its rid, so a scan sees a fraction of the connections.
-    """
+    """Connections to every engine replica (see the module docstring)."""
 
     def __init__(
         self,
         g: GatewaySettings,
         transport: httpx.AsyncBaseTransport | None = None,
         *,
-        shards: int | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ):
         self._g = g
-        if shards is None:
-            shards = 1 if transport is not None else max(1, min(16, g.max_connections // 64))
-        self._clients = [
-            httpx.AsyncClient(
-                timeout=httpx.Timeout(
-                    connect=g.connect_timeout,
-                    read=None,
-                    write=g.connect_timeout,
-                    pool=g.pool_timeout,
-                ),
-                limits=httpx.Limits(
-                    max_connections=max(1, g.max_connections // shards),
-                    max_keepalive_connections=max(1, g.max_keepalive_connections // shards),
-                    keepalive_expiry=30.0,
-                ),
-                transport=transport,
-                follow_redirects=False,  # engines are reached only at configured URLs
-                trust_env=False,  # no proxy from the environment between gateway and engines
-            )
-            for _ in range(shards)
-        ]
+        self._origins: dict[str, _Origin] = {}
+        self._idle: dict[str, list[_Conn]] = {}
+        self._idle_count = 0
+        self._max_idle = max(0, g.max_keepalive_connections)
+        self._in_use = trio.Semaphore(max(1, g.max_connections))
+        self._ssl = ssl_context
         # Health checks and info requests get their own small pool, so a burst of streams or
-        # aborts on the generation pools can never starve them (a starved check would mark a
-        # healthy replica not ready). Aborts go to their rid's shard, spreading bursts.
+        # aborts can never starve them (a starved check would mark a healthy replica not ready).
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(
                 connect=g.connect_timeout,
@@ -104,58 +179,153 @@ class EngineClient:
             ),
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
             transport=transport,
-            follow_redirects=False,
-            trust_env=False,
+            follow_redirects=False,  # engines are reached only at configured URLs
+            trust_env=False,  # no proxy from the environment between gateway and engines
         )
 
-    def _shard(self, key: str) -> httpx.AsyncClient:
-        return self._clients[hash(key) % len(self._clients)]
-
     async def aclose(self) -> None:
-        for c in (*self._clients, self._client):
-            await c.aclose()
+        for conns in self._idle.values():
+            for c in conns:
+                c.close()
+        self._idle.clear()
+        self._idle_count = 0
+        await self._client.aclose()
 
+    # ------------------------------------------------------------------ connections
+    def _origin(self, base: str) -> _Origin:
+        o = self._origins.get(base)
+        if o is None:
+            u = urlsplit(base)
+            tls = u.scheme == "https"
+            host = u.hostname or ""
+            port = u.port or (443 if tls else 80)
+            authority = host if u.port is None else f"{host}:{u.port}"
+            if ":" in host and not authority.startswith("["):
+                authority = f"[{host}]" if u.port is None else f"[{host}]:{u.port}"
+            o = _Origin(
+                key=f"{u.scheme}://{host}:{port}",
+                host=host,
+                port=port,
+                authority=authority,
+                prefix=u.path.rstrip("/"),
+                tls=tls,
+            )
+            self._origins[base] = o
+        return o
+
+    async def _checkout(self, o: _Origin) -> _Conn:
+        """A connection to ``o`` counted against ``max_connections`` (an idle one if a live one
+        is there, else a new one)."""
+        try:
+            self._in_use.acquire_nowait()
+        except trio.WouldBlock:
+            with trio.move_on_after(self._g.pool_timeout) as scope:
+                await self._in_use.acquire()
+            if scope.cancelled_caught:
+                raise EngineUnreachable(
+                    "Too many engine connections are in use; retry shortly."
+                ) from None
+        try:
+            idle = self._idle.get(o.key)
+            now = trio.current_time()
+            while idle:
+                c = idle.pop()
+                self._idle_count -= 1
+                if now - c.idle_since < _IDLE_EXPIRY and not c.dead():
+                    return c
+                c.close()
+            return await self._connect(o)
+        except BaseException:
+            self._in_use.release()
+            raise
+
+    async def _connect(self, o: _Origin) -> _Conn:
+        with trio.move_on_after(self._g.connect_timeout) as scope:
+            try:
+                tcp = await trio.open_tcp_stream(o.host, o.port)
+            except OSError as exc:
+                raise EngineUnreachable() from exc
+            stream: trio.abc.Stream = tcp
+            if o.tls:
+                if self._ssl is None:
+                    self._ssl = ssl.create_default_context()
+                tls = trio.SSLStream(tcp, self._ssl, server_hostname=o.host)
+                try:
+                    await tls.do_handshake()
+                except (trio.BrokenResourceError, OSError) as exc:
+                    tcp.socket.close()
+                    raise EngineUnreachable() from exc
+                stream = tls
+            return _Conn(stream, tcp.socket)
+        assert scope.cancelled_caught
+        raise EngineUnreachable("The engine did not accept a connection in time; retry shortly.")
+
+    def _checkin(self, o: _Origin, c: _Conn, reusable: bool) -> None:
+        self._in_use.release()
+        if reusable and self._idle_count < self._max_idle:
+            c.idle_since = trio.current_time()
+            self._idle.setdefault(o.key, []).append(c)
+            self._idle_count += 1
+        else:
+            c.close()
+
+    @contextlib.asynccontextmanager
+    async def _post(
+        self, base: str, path: str, payload: dict[str, Any], head_timeout: float = math.inf
+    ) -> AsyncIterator[UpstreamResponse]:
+        """POST JSON and yield the response once its head arrived (within ``head_timeout``,
+        else ``trio.TooSlowError``); the connection goes back to the pool only if the response
+        was read to its end."""
+        o = self._origin(base)
+        body = _encode(payload)
+        data = request_head("POST", o.prefix + path, o.authority, len(body)) + body
+        with trio.fail_after(head_timeout):
+            c = await self._checkout(o)
+        resp: UpstreamResponse | None = None
+        try:
+            with trio.fail_after(head_timeout):
+                with trio.move_on_after(self._g.connect_timeout) as scope:
+                    with _broken("The connection to the engine broke before the response."):
+                        await c.stream.send_all(data)
+                if scope.cancelled_caught:
+                    raise EngineUnreachable("The engine did not take the request in time.")
+                parser = ResponseParser()
+                rest = b""
+                while parser.status is None:
+                    with _broken("The connection to the engine broke before the response."):
+                        got = bytes(await c.stream.receive_some(_RECV))
+                        if not got:
+                            parser.eof()
+                        rest = parser.feed(got)
+            resp = UpstreamResponse(c, parser, rest)
+            yield resp
+        finally:
+            self._checkin(o, c, resp is not None and resp.reusable)
+
+    # ------------------------------------------------------------------ generation path
     @contextlib.asynccontextmanager
     async def stream_generate(
         self, base: str, body: dict[str, Any], *, head_timeout: float | None = None
-    ) -> AsyncIterator[AsyncIterator[bytes]]:
-        """POST ``/generate`` with ``stream: true``; yields the raw byte iterator of a 200.
-
-        ``head_timeout`` bounds the wait for the response head (``trio.TooSlowError``)."""
-        url = base + "/generate"
-        client = self._shard(str(body.get("rid", "")))
-        with _map_errors(url):
-            req = client.build_request("POST", url, content=_encode(body), headers=_JSON)
-            with trio.fail_after(head_timeout if head_timeout is not None else math.inf):
-                resp = await client.send(req, stream=True)
-            try:
-                if resp.status_code != 200:
-                    await _drain_small(resp)
-                    raise _status_error(resp.status_code)
-                yield _raw(resp, url)
-            finally:
-                await resp.aclose()
-
-    async def generate(self, base: str, body: dict[str, Any]) -> bytes:
-        """POST ``/generate`` (not streaming); returns the 200 body."""
-        url = base + "/generate"
-        with _map_errors(url):
-            resp = await self._shard(str(body.get("rid", ""))).post(
-                url, content=_encode(body), headers=_JSON
-            )
-            if resp.status_code != 200:
-                raise _status_error(resp.status_code)
-            return resp.content
+    ) -> AsyncIterator[UpstreamResponse]:
+        """POST ``/generate`` with ``stream: true``; yields the response of a 200 (raw body
+        bytes from ``receive()``). A non-200 raises ``EngineHTTPError`` (its text is not
+        echoed); ``head_timeout`` bounds the wait for the response head (``trio.TooSlowError``)."""
+        timeout = head_timeout if head_timeout is not None else math.inf
+        async with self._post(base, "/generate", body, timeout) as resp:
+            if resp.status != 200:
+                with contextlib.suppress(GatewayError):
+                    await resp.read_all(_DRAIN_LIMIT)
+                raise _status_error(resp.status)
+            yield resp
 
     async def abort(self, base: str, rid: str) -> None:
         """POST ``/abort_request`` for exactly ``rid`` (SGLang ignores prefixes)."""
-        with _map_errors(base):
-            await self._shard(rid).post(
-                base + "/abort_request", content=_encode({"rid": rid}), headers=_JSON
-            )
+        async with self._post(base, "/abort_request", {"rid": rid}) as resp:
+            await resp.read_all(_DRAIN_LIMIT)
 
+    # ------------------------------------------------------------------ health and info
     async def health(self, base: str) -> bool:
-        with _map_errors(base):
+        with _map_errors():
             resp = await self._client.get(base + "/health")
             return resp.status_code == 200
 
@@ -168,7 +338,7 @@ class EngineClient:
         return await self._info(base, ("/model_info", "/get_model_info"))
 
     async def _info(self, base: str, paths: tuple[str, ...]) -> dict[str, Any]:
-        with _map_errors(base):
+        with _map_errors():
             for path in paths:
                 resp = await self._client.get(base + path)
                 if resp.status_code == 200:
@@ -182,20 +352,19 @@ class EngineClient:
         return {}
 
 
-async def _raw(resp: httpx.Response, url: str) -> AsyncIterator[bytes]:
-    # Raw bytes, never aiter_lines(): that splits on U+2028 inside JSON.
-    with _map_errors(url):
-        async for chunk in resp.aiter_raw():
-            yield chunk
-
-
-async def _drain_small(resp: httpx.Response) -> None:
-    with contextlib.suppress(httpx.HTTPError):
-        n = 0
-        async for chunk in resp.aiter_raw():
-            n += len(chunk)
-            if n > 65536:
-                break
+@contextlib.contextmanager
+def _map_errors() -> Iterator[None]:
+    """Translate httpx errors of the health/info client (engine text is never echoed)."""
+    try:
+        yield
+    except GatewayError:
+        raise
+    except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+        raise EngineUnreachable() from exc
+    except httpx.TimeoutException as exc:
+        raise EngineUnreachable("The engine did not answer in time; retry shortly.") from exc
+    except httpx.HTTPError as exc:
+        raise EngineTruncated("The engine connection failed.") from exc
 
 
 def _status_error(status: int) -> EngineHTTPError:

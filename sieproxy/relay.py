@@ -52,7 +52,7 @@ from .core.errors import (
 from .core.events import CandidateDelta, CandidateFinish
 from .core.sse import SSEDecoder
 from .core.upstream import GenerateReader
-from .engine_client import EngineClient
+from .engine_client import EngineClient, UpstreamResponse
 from .pool import ModelPool, Replica, RouteHints
 from .settings import GatewaySettings
 
@@ -151,6 +151,7 @@ class GenerationBody(ResponseBody):
         self.writing_since: float | None = None  # set by the HTTP layer around each write
         self._deadline = math.inf
         self._handled_any = False  # an engine event reached the shaper (no retry after that)
+        self._deferred: Event | None = None  # an error drained after frames; raised next
         self.entered = False
         #: The set of in-flight bodies this one belongs to (the HTTP layer maintains it).
         self.active: set[GenerationBody] = set()
@@ -221,8 +222,8 @@ class GenerationBody(ResponseBody):
                         opened = True
                         async with self._client.stream_generate(
                             replica.url, body, head_timeout=self._g.token_gap_timeout
-                        ) as chunks:
-                            await self._pump(i, chunks, reader, send)
+                        ) as resp:
+                            await self._pump(i, resp, reader, send)
                     except GatewayError as e:
                         err = e
                         if isinstance(e, EngineUnreachable | EngineHTTPError):
@@ -261,21 +262,17 @@ class GenerationBody(ResponseBody):
     async def _pump(
         self,
         i: int,
-        chunks: Any,
+        resp: UpstreamResponse,
         reader: GenerateReader,
         send: trio.MemorySendChannel[Event],
     ) -> None:
         decoder = SSEDecoder(self._g.max_sse_line_bytes)
         gap = self._g.token_gap_timeout
-        it = chunks.__aiter__()
+        receive = resp.receive
         # One cancel scope whose deadline moves with every chunk: cheaper than a fresh
         # fail_after() per chunk on the hot path.
         with trio.CancelScope(deadline=trio.current_time() + gap) as gap_scope:
-            while True:
-                try:
-                    raw = await it.__anext__()
-                except StopAsyncIteration:
-                    break
+            while raw := await receive():
                 gap_scope.deadline = trio.current_time() + gap
                 if reader.done:
                     continue  # past [DONE]: read the body to its end so the connection is reused
@@ -338,15 +335,22 @@ class GenerationBody(ResponseBody):
     async def _next_frames(self) -> bytes | None:
         """One merged write: the next event plus everything already buffered (None at end)."""
         assert self._recv is not None
-        try:
-            ev = await self._recv.receive()
-        except trio.EndOfChannel:
-            return None
+        if self._deferred is not None:
+            ev, self._deferred = self._deferred, None
+        else:
+            try:
+                ev = await self._recv.receive()
+            except trio.EndOfChannel:
+                return None
         out = self._handle(ev)
         while True:
             try:
                 ev = self._recv.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel):
+                break
+            if isinstance(ev[1], GatewayError):
+                # An error ends the response: first write what came before it.
+                self._deferred = ev
                 break
             out += self._handle(ev)
         return out
@@ -392,6 +396,7 @@ class GenerationBody(ResponseBody):
 
     async def _restart_on(self, other: Replica) -> None:
         self._cancel_all("retry")
+        self._deferred = None
         assert self._recv is not None
         with self._recv:
             async for _ in self._recv:  # wait for the old candidates to finish their cleanup

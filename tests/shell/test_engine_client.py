@@ -1,0 +1,268 @@
+"""The upstream client's connection handling, against a scripted raw-socket server.
+
+The server counts connections and records every request head, so each test asserts what the
+client got AND what went over the wire: keep-alive reuse, no reuse of a half-read or stale
+connection, the pool cap, timeouts, error mapping, base-URL prefixes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import trio
+
+from sieproxy import engine_client
+from sieproxy.core.errors import EngineHTTPError, EngineTruncated, EngineUnreachable
+from sieproxy.engine_client import EngineClient
+from sieproxy.settings import GatewaySettings
+
+SSE = b'data: {"text":"a","meta_info":{}}\n\ndata: [DONE]\n\n'
+CHUNKED_OK = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    + b"%x\r\n%s\r\n0\r\n\r\n" % (len(SSE), SSE)
+)
+ABORT_OK = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+
+Handler = Callable[[trio.SocketStream, bytes], Awaitable[bool]]
+
+
+@dataclass
+class RawServer:
+    """Answers each request with ``handler(stream, head)``; the handler returns whether the
+    connection stays open for another request."""
+
+    handler: Handler
+    port: int = 0
+    connections: int = 0
+    heads: list[bytes] = field(default_factory=list)
+    streams: list[trio.SocketStream] = field(default_factory=list)
+
+    async def _serve(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        self.streams.append(stream)
+        buf = b""
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            async with stream:
+                while True:
+                    while b"\r\n\r\n" not in buf:
+                        data = await stream.receive_some(65536)
+                        if not data:
+                            return
+                        buf += data
+                    head, _, buf = buf.partition(b"\r\n\r\n")
+                    length = 0
+                    for line in head.split(b"\r\n")[1:]:
+                        name, _, value = line.partition(b":")
+                        if name.lower() == b"content-length":
+                            length = int(value)
+                    while len(buf) < length:
+                        buf += await stream.receive_some(65536)
+                    buf = buf[length:]
+                    self.heads.append(head)
+                    if not await self.handler(stream, head):
+                        return
+
+
+@contextlib.asynccontextmanager
+async def raw_server(handler: Handler) -> AsyncIterator[RawServer]:
+    srv = RawServer(handler)
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, srv._serve, 0)
+        srv.port = listeners[0].socket.getsockname()[1]
+        yield srv
+        nursery.cancel_scope.cancel()
+
+
+def client(**kw: Any) -> EngineClient:
+    return EngineClient(GatewaySettings(connect_timeout=2.0, pool_timeout=0.5, **kw))
+
+
+async def reply(data: bytes) -> Handler:
+    async def handler(stream: trio.SocketStream, head: bytes) -> bool:
+        await stream.send_all(ABORT_OK if b"/abort_request" in head else data)
+        return True
+
+    return handler
+
+
+async def read_stream(c: EngineClient, base: str, rid: str = "r") -> bytes:
+    async with c.stream_generate(base, {"rid": rid, "stream": True}) as resp:
+        out = b""
+        while chunk := await resp.receive():
+            out += chunk
+        return out
+
+
+async def test_keep_alive_reuses_one_connection() -> None:
+    async with raw_server(await reply(CHUNKED_OK)) as srv:
+        c = client()
+        base = f"http://127.0.0.1:{srv.port}"
+        for i in range(5):
+            assert await read_stream(c, base, f"r{i}") == SSE
+        await c.abort(base, "r0")
+        assert srv.connections == 1
+        assert len(srv.heads) == 6
+        assert srv.heads[0].startswith(b"POST /generate HTTP/1.1\r\n")
+        assert b"\r\nHost: 127.0.0.1:%d" % srv.port in srv.heads[0]
+        assert srv.heads[-1].startswith(b"POST /abort_request HTTP/1.1\r\n")
+        await c.aclose()
+
+
+async def test_a_stream_left_early_is_closed_not_reused() -> None:
+    split = CHUNKED_OK.index(b"\r\n\r\n") + 4
+
+    async def head_then_body(stream: trio.SocketStream, head: bytes) -> bool:
+        await stream.send_all(CHUNKED_OK[:split])
+        await trio.sleep(0.05)
+        await stream.send_all(CHUNKED_OK[split:])
+        return True
+
+    async with raw_server(head_then_body) as srv:
+        c = client()
+        base = f"http://127.0.0.1:{srv.port}"
+        async with c.stream_generate(base, {"rid": "a"}) as resp:
+            assert resp.status == 200  # left before the body arrived
+        assert await read_stream(c, base) == SSE
+        assert srv.connections == 2
+        await c.aclose()
+
+
+async def test_a_connection_the_engine_closed_is_not_reused() -> None:
+    async def once(stream: trio.SocketStream, head: bytes) -> bool:
+        await stream.send_all(CHUNKED_OK)
+        return False  # the server closes after each response, without saying so
+
+    async with raw_server(once) as srv:
+        c = client()
+        base = f"http://127.0.0.1:{srv.port}"
+        for _ in range(3):
+            assert await read_stream(c, base) == SSE
+            await trio.sleep(0.05)  # the close reaches the idle connection
+        assert srv.connections == 3
+        await c.aclose()
+
+
+CLOSE_HEADER = CHUNKED_OK.replace(b"200 OK\r\n", b"200 OK\r\nConnection: close\r\n")
+
+
+@pytest.mark.parametrize(
+    ("answer", "expiry"), [(CHUNKED_OK, 0.0), (CLOSE_HEADER, 4.0)], ids=["expired", "close"]
+)
+async def test_no_reuse_after_expiry_or_connection_close(
+    answer: bytes, expiry: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine_client, "_IDLE_EXPIRY", expiry)
+    async with raw_server(await reply(answer)) as srv:
+        c = client()
+        base = f"http://127.0.0.1:{srv.port}"
+        assert await read_stream(c, base) == SSE
+        assert await read_stream(c, base) == SSE
+        assert srv.connections == 2
+        await c.aclose()
+
+
+async def test_idle_connections_are_capped() -> None:
+    async with raw_server(await reply(CHUNKED_OK)) as srv:
+        c = client(max_keepalive_connections=1)
+        base = f"http://127.0.0.1:{srv.port}"
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(read_stream, c, base, f"p{i}")
+        assert srv.connections == 3
+        assert await read_stream(c, base) == SSE
+        assert srv.connections == 3  # one of the three was kept
+        await c.aclose()
+
+
+@pytest.mark.parametrize(
+    ("status", "expected", "client_status"),
+    [(503, EngineHTTPError, 503), (400, EngineHTTPError, 400), (500, EngineHTTPError, 502)],
+)
+async def test_error_status_is_mapped_and_the_connection_kept(
+    status: int, expected: type[Exception], client_status: int
+) -> None:
+    secret = b"engine secret text"
+    answer = b"HTTP/1.1 %d X\r\nContent-Length: %d\r\n\r\n%s" % (status, len(secret), secret)
+    async with raw_server(await reply(answer)) as srv:
+        c = client()
+        base = f"http://127.0.0.1:{srv.port}"
+        for _ in range(2):
+            with pytest.raises(expected) as info:
+                await read_stream(c, base)
+            assert info.value.status == client_status  # type: ignore[attr-defined]
+            assert "secret" not in str(info.value)
+        assert srv.connections == 1
+        await c.aclose()
+
+
+async def test_refused_connection_is_unreachable() -> None:
+    with trio.socket.socket() as s:
+        await s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connections are refused
+        c = client()
+        with pytest.raises(EngineUnreachable):
+            await read_stream(c, f"http://127.0.0.1:{port}")
+        await c.aclose()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [b"", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab", b"garbage\r\n\r\n"],
+    ids=["eof-before-head", "eof-mid-body", "malformed"],
+)
+async def test_broken_responses_are_truncated_errors(answer: bytes) -> None:
+    async def broken(stream: trio.SocketStream, head: bytes) -> bool:
+        await stream.send_all(answer)
+        return False
+
+    async with raw_server(broken) as srv:
+        c = client()
+        with pytest.raises(EngineTruncated):
+            await read_stream(c, f"http://127.0.0.1:{srv.port}")
+        await c.aclose()
+
+
+async def test_head_timeout() -> None:
+    async def silent(stream: trio.SocketStream, head: bytes) -> bool:
+        await trio.sleep_forever()
+        return False
+
+    async with raw_server(silent) as srv:
+        c = client()
+        with pytest.raises(trio.TooSlowError):
+            async with c.stream_generate(f"http://127.0.0.1:{srv.port}", {}, head_timeout=0.2):
+                pass
+        await c.aclose()
+
+
+async def test_pool_cap_waits_then_refuses() -> None:
+    release = trio.Event()
+
+    async def slow(stream: trio.SocketStream, head: bytes) -> bool:
+        await release.wait()
+        await stream.send_all(CHUNKED_OK)
+        return True
+
+    async with raw_server(slow) as srv:
+        c = client(max_connections=1)
+        base = f"http://127.0.0.1:{srv.port}"
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_stream, c, base, "first")
+            await trio.sleep(0.05)
+            with pytest.raises(EngineUnreachable, match="Too many engine connections"):
+                await read_stream(c, base, "second")  # waits pool_timeout (0.5 s), then 503
+            release.set()
+        assert await read_stream(c, base, "third") == SSE  # the slot came back
+        await c.aclose()
+
+
+async def test_base_url_prefix_and_bytes_arriving_with_the_head() -> None:
+    async with raw_server(await reply(CHUNKED_OK)) as srv:
+        c = client()
+        assert await read_stream(c, f"http://127.0.0.1:{srv.port}/engine-a/") == SSE
+        assert srv.heads[0].startswith(b"POST /engine-a/generate HTTP/1.1\r\n")
+        await c.aclose()

@@ -127,8 +127,9 @@ class UpstreamResponse:
             out, self._pending = self._pending, b""
             return out
         parser = self._parser
-        while not parser.done:
-            with _broken("The connection to the engine broke mid-response."):
+        # try/except inline rather than ``_broken()``: this runs once per relayed chunk.
+        try:
+            while not parser.done:
                 data = await self._conn.stream.receive_some(_RECV)
                 if type(data) is not bytes:  # SSLStream returns a bytearray
                     data = bytes(data)
@@ -136,8 +137,12 @@ class UpstreamResponse:
                     parser.eof()
                     return b""
                 out = parser.feed(data)
-            if out:
-                return out
+                if out:
+                    return out
+        except FramingError as exc:
+            raise EngineTruncated("The engine sent a malformed HTTP response.") from exc
+        except _BROKEN as exc:
+            raise EngineTruncated("The connection to the engine broke mid-response.") from exc
         return b""
 
     async def read_all(self, limit: int) -> bytes:

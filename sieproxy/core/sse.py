@@ -53,6 +53,20 @@ class SSEDecoder:
             raise EngineMalformed()
         if not data:
             return []
+        if (
+            not self._buf
+            and not self._skip_lf
+            and not self._first_line
+            and data[-1:] == b"\n"
+            and b"\r" not in data
+        ):
+            # Fast path (every chunk of a well-behaved engine): whole LF-terminated lines.
+            events: list[str] = []
+            lines = data.split(b"\n")
+            lines.pop()  # the empty tail after the final LF
+            for line in lines:
+                self._line(line, 0, len(line), events)
+            return events
         start = 0
         if self._skip_lf:
             self._skip_lf = False
@@ -62,7 +76,7 @@ class SSEDecoder:
         # Only the new bytes can hold a terminator: the buffered tail was already scanned.
         scan_from = len(buf)
         buf += memoryview(data)[start:]
-        events: list[str] = []
+        events = []
         pos = 0
         while True:
             m = _EOL.search(buf, scan_from)
@@ -95,7 +109,7 @@ class SSEDecoder:
         self._data.clear()
         raise EngineMalformed()
 
-    def _line(self, buf: bytearray, start: int, end: int, events: list[str]) -> None:
+    def _line(self, buf: bytes | bytearray, start: int, end: int, events: list[str]) -> None:
         if end - start > self.max_line:
             self._fail()
         if start == end:  # blank line: dispatch

@@ -484,10 +484,13 @@ def cmd_soak(a: argparse.Namespace) -> None:
         )
         if r["target"].startswith("sieproxy") or r["target"].startswith("hypercorn"):
             g99 = g.get("p99")
+            # The target allows a p99 gap of 100 ms at a 50 ms ITL: 50 ms of jitter
+            # on top of the engine's own interval, which is how other ITLs are judged.
+            limit = a.itl_ms + 50
             verdicts.append(R.verdict(
                 f"one gateway process holds {a.streams:,} open streams at {a.itl_ms:g} ms ITL, "
-                "no errors, p99 inter-chunk gap < 100 ms",
-                R.nerr(r) == 0 and g99 is not None and g99 < 100
+                f"no errors, p99 inter-chunk gap < {limit:g} ms (ITL + 50 ms)",
+                R.nerr(r) == 0 and g99 is not None and g99 < limit
                 and r["mean_inflight"] >= 0.95 * a.streams,
                 f"{r['mean_inflight']:.0f} open, {R.nerr(r)} errors, p99 gap {R.fmt(g99)} ms, "
                 f"{r['chunks_per_s']:,.0f} chunks/s (ideal "

@@ -6,7 +6,7 @@ checks, client); the gateway keeps no shared state, so workers scale out behind 
 
 import logging
 
-from .serve import build_app
+from .serve import build_app, tune_gc
 from .settings import load_settings
 
 __all__ = ["app"]
@@ -18,3 +18,4 @@ logging.basicConfig(
 )
 logging.getLogger("httpx").setLevel(logging.WARNING)
 app = build_app(_settings)
+tune_gc()

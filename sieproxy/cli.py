@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     # httpx logs every upstream request (health checks included) at INFO: too chatty.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.root.level))
     logging.getLogger("httpcore").setLevel(max(logging.WARNING, logging.root.level))
-    from .serve import serve
+    from .serve import serve, tune_gc
 
+    tune_gc()
     try:
         trio.run(serve, settings)
     except ConfigError as exc:

@@ -15,6 +15,7 @@ cancels them — which aborts every unfinished candidate upstream — and stops 
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 from dataclasses import replace
@@ -186,6 +187,29 @@ def build_app(settings: Settings) -> Quart:
             await state.client.aclose()
 
     return app
+
+
+#: Generation thresholds for the cyclic garbage collector of a serving process (see
+#: ``tune_gc``); CPython's default is (700, 10, 10).
+GC_THRESHOLDS = (10_000, 10, 10)
+
+
+def tune_gc() -> None:
+    """Make the garbage collector fit a process holding thousands of open streams.
+
+    Every open stream keeps a few hundred objects alive (Hypercorn's protocol objects, the
+    request's tasks, channels and shaper) and every relayed chunk allocates a few more. With
+    CPython's defaults a full collection ran about every 1.4 s at 1,000 open streams, each
+    walking ~330,000 objects: 36 % of the gateway's CPU and the main source of its inter-chunk
+    jitter (p99 gap 923 ms at a 400 ms ITL). Freezing what exists once the app is built (it
+    lives as long as the process) and collecting the young generation every 10,000 instead of
+    700 allocations brought the collector to ~2.5 % and the p99 gap to 431 ms (docs/DESIGN.md).
+    Called by the process entry points (``sieproxy serve``, ``sieproxy.asgi``), not by
+    ``build_app``, so embedding the app elsewhere leaves the host's collector alone.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def hypercorn_config(settings: Settings) -> HypercornConfig:

@@ -26,6 +26,7 @@ import contextlib
 import math
 import select
 import ssl
+from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -168,7 +169,7 @@ class EngineClient:
     ):
         self._g = g
         self._origins: dict[str, _Origin] = {}
-        self._idle: dict[str, list[_Conn]] = {}
+        self._idle: dict[str, deque[_Conn]] = {}
         self._idle_count = 0
         self._max_idle = max(0, g.max_keepalive_connections)
         self._in_use = trio.Semaphore(max(1, g.max_connections))
@@ -267,9 +268,18 @@ class EngineClient:
 
     def _checkin(self, o: _Origin, c: _Conn, reusable: bool) -> None:
         self._in_use.release()
+        idle = self._idle.get(o.key)
+        if idle is None:
+            idle = self._idle[o.key] = deque()
+        now = trio.current_time()
+        # Reuse is LIFO (the freshest connection first), so expired ones collect at the left
+        # end: close them here rather than keep their sockets open until a lull empties the list.
+        while idle and now - idle[0].idle_since >= _IDLE_EXPIRY:
+            idle.popleft().close()
+            self._idle_count -= 1
         if reusable and self._idle_count < self._max_idle:
-            c.idle_since = trio.current_time()
-            self._idle.setdefault(o.key, []).append(c)
+            c.idle_since = now
+            idle.append(c)
             self._idle_count += 1
         else:
             c.close()

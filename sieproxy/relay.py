@@ -101,6 +101,15 @@ class RequestStats:
     sdk_version: str | None = None
 
 
+async def _put(send: trio.MemorySendChannel[Event], ev: Event) -> None:
+    """``send.send(ev)`` without its scheduling round trip when the buffer has room: the
+    candidate's next upstream read is a checkpoint anyway (one fewer task switch per chunk)."""
+    try:
+        send.send_nowait(ev)
+    except trio.WouldBlock:
+        await send.send(ev)
+
+
 async def sweep_stalls(active: set[GenerationBody], limit: float) -> None:
     """One task per process (not per request) checks every in-flight body for a stalled
     client write, every quarter of the stall limit."""
@@ -290,9 +299,9 @@ class GenerationBody(ResponseBody):
                     if finish is not None:
                         self._terminal[i] = True
                     if delta is not None:
-                        await send.send((i, delta))
+                        await _put(send, (i, delta))
                     if finish is not None:
-                        await send.send((i, finish))
+                        await _put(send, (i, finish))
                     if reader.done:
                         break
         if gap_scope.cancelled_caught:
@@ -348,7 +357,12 @@ class GenerationBody(ResponseBody):
             ev, self._deferred = self._deferred, None
         else:
             try:
-                ev = await self._recv.receive()
+                ev = self._recv.receive_nowait()
+            except trio.WouldBlock:
+                try:
+                    ev = await self._recv.receive()
+                except trio.EndOfChannel:
+                    return None
             except trio.EndOfChannel:
                 return None
         out = self._handle(ev)

@@ -266,3 +266,19 @@ async def test_base_url_prefix_and_bytes_arriving_with_the_head() -> None:
         assert await read_stream(c, f"http://127.0.0.1:{srv.port}/engine-a/") == SSE
         assert srv.heads[0].startswith(b"POST /engine-a/generate HTTP/1.1\r\n")
         await c.aclose()
+
+
+async def test_expired_idle_connections_are_closed_on_the_next_checkin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with raw_server(await reply(CHUNKED_OK)) as srv:
+        c = client()
+        base = f"http://127.0.0.1:{srv.port}"
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(read_stream, c, base, f"p{i}")
+        assert c._idle_count == 3
+        monkeypatch.setattr(engine_client, "_IDLE_EXPIRY", 0.0)
+        assert await read_stream(c, base) == SSE  # reuses one, then closes the two expired
+        assert c._idle_count == 1
+        await c.aclose()

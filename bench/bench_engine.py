@@ -209,9 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     engine.shutdown()
 
+    kernels = "on" if engine.model is not None and engine.model.uses_kernels else "off"
     print(
         f"\nCPU engine vs transformers generate() — {engine.served_model_name}, float32, "
-        f"{threads} torch threads, greedy, mixed prompt/output lengths\n"
+        f"{threads} torch threads, greedy, mixed prompt/output lengths, "
+        f"engine kernels {kernels}\n"
     )
     print(
         "| streams | engine tok/s | generate() tok/s | ratio | engine TTFT p50 / max (s) "

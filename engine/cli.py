@@ -7,7 +7,12 @@
     sieproxy-engine launch --health-url URL [options] -- <argv>
         the same for any command;
     sieproxy-engine fake [args]      the scripted fake engine (``engine.fake``; ``fake --help``);
-    sieproxy-engine serve [args]     the CPU engine (``engine.cpu.server``).
+    sieproxy-engine serve [args]     the CPU engine (``engine.cpu.server``);
+    sieproxy-engine prepare [--model M]
+        do the CPU engine's one-time work ahead of its first start: convert the model (the
+        default SmolLM2 GGUF unless ``--model``) into the cache and build the decode kernels
+        (cached under ~/.cache/torch_extensions). ``serve`` does both on its own when needed;
+        this only moves the wait (about a minute on a fresh machine) out of the first start.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from engine.supervisor import ChildSpec, Supervisor, SupervisorError, supervise_
 
 __all__ = ["build_launch_parser", "launch_spec", "main", "sglang_argv"]
 
-_USAGE = "usage: sieproxy-engine {launch,fake,serve} [args]  (see --help of each)"
+_USAGE = "usage: sieproxy-engine {launch,fake,serve,prepare} [args]  (see --help of each)"
 
 
 def sglang_argv(
@@ -113,6 +118,21 @@ def _launch(argv: Sequence[str]) -> int:
     return 0
 
 
+def _prepare(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="sieproxy-engine prepare")
+    parser.add_argument("--model", default="default", help="model to convert (default: SmolLM2)")
+    args = parser.parse_args(list(argv))
+    from engine.cpu.kernels import load_kernels  # type: ignore[import-not-found,unused-ignore]
+    from engine.cpu.model_store import resolve_model  # type: ignore[import-not-found,unused-ignore]
+
+    path = resolve_model(args.model)
+    print(f"sieproxy-engine: model ready at {path}", file=sys.stderr)
+    kernels = load_kernels()
+    state = "built" if kernels is not None else "unavailable (torch ops will be used)"
+    print(f"sieproxy-engine: decode kernels {state}", file=sys.stderr)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``sieproxy-engine``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -130,5 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from engine.cpu.server import main as serve_main  # type: ignore[import-not-found,unused-ignore]
 
         return int(serve_main(rest) or 0)
+    if command == "prepare":
+        return _prepare(rest)
     print(f"sieproxy-engine: unknown command {command!r}\n{_USAGE}", file=sys.stderr)
     return 2

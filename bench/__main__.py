@@ -548,6 +548,35 @@ def cmd_workers(a: argparse.Namespace) -> None:
     rat = R.med([v["hypercorn-w2"] / v["hypercorn-w1"] for v in per.values()
                  if v.get("hypercorn-w1") and v.get("hypercorn-w2")])
     md += f"\n\nchunks/s, 2 workers ÷ 1 worker (per round, median): {R.fmt(rat, 2)}×"
+    # Where the CPU went: on two shared cores the engine and the load generator take their
+    # share, which caps what a second worker can add; the per-chunk cost shows whether the
+    # workers themselves lose anything by running side by side.
+    cpu: dict[str, list[tuple[float, float, float]]] = {}
+    for r in runs:
+        if "error" not in r and r.get("sut_cpu_us_per_chunk"):
+            harness = r.get("engine_cpu_us_per_chunk", 0.0) + r.get("loadgen_cpu_us_per_chunk", 0.0)
+            cpu.setdefault(r["target"], []).append(
+                (r["sut_cpu_us_per_chunk"], harness, r["chunks_per_s"]))
+    if cpu:
+        md += ("\n\n| target | SUT CPU µs/chunk | engine + load generator µs/chunk "
+               "| cores used by the SUT | cores used by the harness |\n|---|---|---|---|---|\n")
+        for name, vals in cpu.items():
+            sut = R.med([v[0] for v in vals])
+            har = R.med([v[1] for v in vals])
+            rate = R.med([v[2] for v in vals])
+            md += (f"| {name} | {R.fmt(sut)} | {R.fmt(har)} | {R.fmt(sut * rate / 1e6, 2)} "
+                   f"| {R.fmt(har * rate / 1e6, 2)} |\n")
+        w1, w2 = cpu.get("hypercorn-w1"), cpu.get("hypercorn-w2")
+        if w1 and w2:
+            s1 = R.med([v[0] for v in w1])
+            s2 = R.med([v[0] for v in w2])
+            h2 = R.med([v[1] for v in w2])
+            r1 = R.med([v[2] for v in w1])
+            ceiling = 2e6 / (s2 + h2) / r1
+            md += (f"\nPer-chunk cost, 1 worker ÷ 2 workers: {R.fmt(s1 / s2, 2)} (1.0 = the "
+                   f"workers lose nothing to each other). With the harness on the same two cores, "
+                   f"two workers can at most reach 2 cores ÷ (SUT + harness µs/chunk) = "
+                   f"{R.fmt(ceiling, 2)}× one worker's rate on this machine.")
     verdicts = [R.verdict("two workers behind one port relay about twice the streams of one",
                           None if rat is None else rat >= 1.8, f"{R.fmt(rat, 2)}×")]
     _finish(a, "workers", md, verdicts, path)

@@ -173,7 +173,9 @@ class EngineClient:
         self._idle_count = 0
         self._max_idle = max(0, g.max_keepalive_connections)
         self._in_use = trio.Semaphore(max(1, g.max_connections))
-        self._ssl = ssl_context
+        # One trust store for both clients: the system's (OpenSSL's default paths, so
+        # SSL_CERT_FILE / SSL_CERT_DIR point it at a private CA).
+        self._ssl = ssl_context if ssl_context is not None else ssl.create_default_context()
         # Health checks and info requests get their own small pool, so a burst of streams or
         # aborts can never starve them (a starved check would mark a healthy replica not ready).
         self._client = httpx.AsyncClient(
@@ -187,6 +189,7 @@ class EngineClient:
             transport=transport,
             follow_redirects=False,  # engines are reached only at configured URLs
             trust_env=False,  # no proxy from the environment between gateway and engines
+            verify=self._ssl,
         )
 
     async def aclose(self) -> None:
@@ -253,8 +256,6 @@ class EngineClient:
                 raise EngineUnreachable() from exc
             stream: trio.abc.Stream = tcp
             if o.tls:
-                if self._ssl is None:
-                    self._ssl = ssl.create_default_context()
                 tls = trio.SSLStream(tcp, self._ssl, server_hostname=o.host)
                 try:
                     await tls.do_handshake()

@@ -8,12 +8,14 @@ connection, the pool cap, timeouts, error mapping, base-URL prefixes.
 from __future__ import annotations
 
 import contextlib
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import trio
+import trustme
 
 from sieproxy import engine_client
 from sieproxy.core.errors import EngineHTTPError, EngineTruncated, EngineUnreachable
@@ -27,7 +29,7 @@ CHUNKED_OK = (
 )
 ABORT_OK = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
 
-Handler = Callable[[trio.SocketStream, bytes], Awaitable[bool]]
+Handler = Callable[[Any, bytes], Awaitable[bool]]
 
 
 @dataclass
@@ -39,11 +41,9 @@ class RawServer:
     port: int = 0
     connections: int = 0
     heads: list[bytes] = field(default_factory=list)
-    streams: list[trio.SocketStream] = field(default_factory=list)
 
-    async def _serve(self, stream: trio.SocketStream) -> None:
+    async def _serve(self, stream: Any) -> None:
         self.connections += 1
-        self.streams.append(stream)
         buf = b""
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             async with stream:
@@ -68,11 +68,16 @@ class RawServer:
 
 
 @contextlib.asynccontextmanager
-async def raw_server(handler: Handler) -> AsyncIterator[RawServer]:
+async def raw_server(
+    handler: Handler, tls: ssl.SSLContext | None = None
+) -> AsyncIterator[RawServer]:
     srv = RawServer(handler)
     async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(trio.serve_tcp, srv._serve, 0)
+        listeners: list[Any] = await trio.open_tcp_listeners(0, host="127.0.0.1")
         srv.port = listeners[0].socket.getsockname()[1]
+        if tls is not None:
+            listeners = [trio.SSLListener(listener, tls) for listener in listeners]
+        nursery.start_soon(trio.serve_listeners, srv._serve, listeners)
         yield srv
         nursery.cancel_scope.cancel()
 
@@ -281,4 +286,34 @@ async def test_expired_idle_connections_are_closed_on_the_next_checkin(
         monkeypatch.setattr(engine_client, "_IDLE_EXPIRY", 0.0)
         assert await read_stream(c, base) == SSE  # reuses one, then closes the two expired
         assert c._idle_count == 1
+        await c.aclose()
+
+
+@pytest.fixture
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+async def test_https_engine_is_verified_and_reused(ca: trustme.CA) -> None:
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    client_ctx = ssl.create_default_context()
+    ca.configure_trust(client_ctx)
+    async with raw_server(await reply(CHUNKED_OK), tls=server_ctx) as srv:
+        c = EngineClient(GatewaySettings(connect_timeout=2.0), ssl_context=client_ctx)
+        base = f"https://127.0.0.1:{srv.port}"
+        for _ in range(3):
+            assert await read_stream(c, base) == SSE
+        assert srv.connections == 1
+        await c.aclose()
+
+
+async def test_https_engine_with_an_untrusted_certificate_is_unreachable(ca: trustme.CA) -> None:
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    async with raw_server(await reply(CHUNKED_OK), tls=server_ctx) as srv:
+        c = client()  # the system trust store does not know the test CA
+        with pytest.raises(EngineUnreachable):
+            await read_stream(c, f"https://127.0.0.1:{srv.port}")
+        assert srv.heads == []  # nothing was sent over the unverified connection
         await c.aclose()

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from functools import partial
 
 import trio
 
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tune_gc()
     try:
-        trio.run(serve, settings)
+        trio.run(partial(serve, settings, config_path=args.config))
     except ConfigError as exc:
         print(f"sieproxy: configuration error: {exc}", file=sys.stderr)
         return 2

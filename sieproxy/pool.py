@@ -59,6 +59,7 @@ class Replica:
     failures: int = 0  # consecutive
     out_until: float = 0.0  # circuit open until this trio time
     backoff: float = 0.0
+    retired: bool = False  # dropped by a config reload: never chosen, its watcher stops
 
     def matches(self, h: RouteHints) -> bool:
         return (h.pool is None or h.pool == self.pool) and (
@@ -79,13 +80,45 @@ class ModelPool:
             Replica(url=s.url.rstrip("/"), pool=s.pool, machine_profile=s.machine_profile)
             for s in specs
         ]
+        self._labels()
+        self._room = trio.Event()  # set (and replaced) whenever capacity may have appeared
+        self._watch_with: tuple[trio.Nursery, EngineClient] | None = None
+        #: False while the model's chat template is still being discovered from an engine.
+        self.gate_open = True
+
+    def _labels(self) -> None:
         self.pools = frozenset(r.pool for r in self.replicas if r.pool)
         self.machine_profiles = frozenset(
             r.machine_profile for r in self.replicas if r.machine_profile
         )
-        self._room = trio.Event()  # set (and replaced) whenever capacity may have appeared
-        #: False while the model's chat template is still being discovered from an engine.
-        self.gate_open = True
+
+    def set_engines(self, specs: Iterable[EngineSpec]) -> tuple[list[str], list[str]]:
+        """Replace the replica list (a config reload); returns the URLs (added, removed).
+
+        A replica whose URL stays keeps its state (readiness, breaker, in-flight counts) and
+        takes the new labels. A new one starts not ready until its first health check passes.
+        A removed one is never chosen again; requests already running on it finish there.
+        """
+        old = {r.url: r for r in self.replicas}
+        keep: list[Replica] = []
+        for spec in specs:
+            url = spec.url.rstrip("/")
+            r = old.pop(url, None)
+            if r is None:
+                r = Replica(url=url)
+            r.pool, r.machine_profile = spec.pool, spec.machine_profile
+            keep.append(r)
+        added = [r for r in keep if r.url not in {x.url for x in self.replicas}]
+        for r in old.values():
+            r.retired = True
+        self.replicas = keep
+        self._labels()
+        if self._watch_with is not None:
+            nursery, client = self._watch_with
+            for r in added:
+                nursery.start_soon(self._watch, r, client)
+        self._wake()
+        return [r.url for r in added], list(old)
 
     def _wake(self) -> None:
         self._room.set()
@@ -182,12 +215,13 @@ class ModelPool:
     async def run_health_checks(self, client: EngineClient) -> None:
         """Background health checks, one task per replica (runs until cancelled)."""
         async with trio.open_nursery() as nursery:
+            self._watch_with = (nursery, client)
             for r in self.replicas:
                 nursery.start_soon(self._watch, r, client)
 
     async def _watch(self, r: Replica, client: EngineClient) -> None:
         g = self._g
-        while True:
+        while not r.retired:
             ok = False
             with trio.move_on_after(g.health_timeout):
                 try:

@@ -23,6 +23,7 @@ from dataclasses import replace
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
+from msgspec.structs import replace as struct_replace
 from quart import Quart
 
 from .app import GatewayState, create_app
@@ -37,7 +38,14 @@ from .engine_client import EngineClient
 from .observe import Observer
 from .pool import ModelPool
 from .relay import GenerationBody, sweep_stalls
-from .settings import ConfigError, EngineSpec, ModelSettings, Settings
+from .settings import (
+    ConfigError,
+    EngineSpec,
+    GatewaySettings,
+    ModelSettings,
+    Settings,
+    load_settings,
+)
 from .tokenizer_dir import read_tokenizer_dir
 
 __all__ = ["build_app", "build_state", "serve"]
@@ -233,8 +241,12 @@ async def serve(
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
     shutdown_trigger: trio.Event | None = None,
     app: Quart | None = None,
+    config_path: str | None = None,
 ) -> None:
-    """Serve until SIGTERM/SIGINT (or ``shutdown_trigger``); ``task_status`` gets the binds."""
+    """Serve until SIGTERM/SIGINT (or ``shutdown_trigger``); ``task_status`` gets the binds.
+
+    Without a ``shutdown_trigger`` (a real process), SIGHUP reloads ``config_path`` (or
+    ``$SIEPROXY_CONFIG``; see ``reload_settings``)."""
     if app is None:
         app = build_app(settings)
     state: GatewayState = app.extensions["sieproxy"]
@@ -262,9 +274,57 @@ async def serve(
             nursery.start_soon(lambda: supervise_child(argv, name="cpu-engine"))
         if shutdown_trigger is None:
             nursery.start_soon(_wait_signals, stop)
+            nursery.start_soon(_reload_on_sighup, state, config_path)
         nursery.start_soon(_drain, nursery)
         await hypercorn_serve(app, cfg, shutdown_trigger=_trigger, task_status=task_status)
         nursery.cancel_scope.cancel()
+
+
+def reload_settings(state: GatewayState, path: str | None) -> list[str]:
+    """Re-read the configuration and apply what can change while serving (SIGHUP).
+
+    Applied: bearer tokens and the auth switch; each served model's engine list (replicas
+    added, relabelled or removed; see ``ModelPool.set_engines``). Everything else (models added
+    or removed, templates, other ``[gateway]`` keys) needs a restart and is reported, not
+    applied. Raises ``ConfigError`` for an invalid file, leaving the running configuration as
+    it was. Returns one line per thing applied or ignored, for the log.
+    """
+    new = load_settings(path)
+    old = state.settings
+    done: list[str] = []
+    state.auth = Authenticator(new.gateway.auth, new.auth_tokens())
+    done.append(f"auth {'on' if new.gateway.auth else 'off'}, {len(new.auth_tokens())} token(s)")
+    old_models, new_models = effective_models(old), effective_models(new)
+    for name, m in new_models.items():
+        pool = state.pools.get(name)
+        if pool is None:
+            done.append(f"model {name!r} is new: not served until a restart")
+            continue
+        added, removed = pool.set_engines(_specs(m))
+        if added or removed:
+            done.append(f"model {name!r}: engines added {added or '[]'}, removed {removed or '[]'}")
+        if struct_replace(m, engines=[]) != struct_replace(old_models[name], engines=[]):
+            done.append(f"model {name!r}: settings other than engines need a restart")
+    for name in old_models.keys() - new_models.keys():
+        done.append(f"model {name!r} is gone from the file: still served until a restart")
+
+    def unauth(g: GatewaySettings) -> GatewaySettings:
+        return struct_replace(g, auth=False, tokens=[], tokens_file=None)
+
+    if unauth(new.gateway) != unauth(old.gateway):
+        done.append("[gateway] settings other than auth and tokens need a restart")
+    return done
+
+
+async def _reload_on_sighup(state: GatewayState, path: str | None) -> None:
+    with trio.open_signal_receiver(signal.SIGHUP) as signals:
+        async for _ in signals:
+            try:
+                lines = reload_settings(state, path)
+            except ConfigError as exc:
+                log.error("SIGHUP: configuration not reloaded, the running one stays: %s", exc)
+                continue
+            log.warning("SIGHUP: configuration reloaded: %s", "; ".join(lines))
 
 
 async def _wait_signals(stop: trio.Event) -> None:

@@ -1,0 +1,106 @@
+"""Configuration reload (SIGHUP on ``sieproxy serve``): engine lists and bearer tokens change
+while serving; an invalid file changes nothing; other changes are reported, not applied."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import trio
+
+from engine.fake import FakeEngine
+from sieproxy.serve import _reload_on_sighup, reload_settings
+from sieproxy.settings import ConfigError, Settings
+
+from .harness import MODEL, TEMPLATE, Gateway, running_gateway
+from .test_health import chat, gen_rids, served_by, wait_until
+
+
+def only_first_engine(settings: Settings) -> None:
+    m = settings.models[MODEL]
+    m.engines = m.engines[:1]
+
+
+def write_config(path: Path, gw: Gateway, engines: list[int], gateway: str = "") -> str:
+    specs = ", ".join(
+        f'{{url = "http://127.0.0.1:{gw.engines[i].port}", pool = "pool-{i % 2}"}}' for i in engines
+    )
+    path.write_text(
+        f"[gateway]\n{gateway}\n[models.{MODEL}]\nengines = [{specs}]\n"
+        f"chat_template = {json.dumps(TEMPLATE)}\n"
+    )
+    return str(path)
+
+
+async def test_engines_are_added_and_removed(tmp_path: Path) -> None:
+    with trio.fail_after(30):
+        async with running_gateway(
+            [FakeEngine(), FakeEngine()], settings_hook=only_first_engine
+        ) as gw:
+            pool = gw.state.pools[MODEL]
+            assert [r.url for r in pool.replicas] == [f"http://127.0.0.1:{gw.engines[0].port}"]
+            lines = reload_settings(gw.state, write_config(tmp_path / "a.toml", gw, [0, 1]))
+            assert any("engines added" in line for line in lines)
+            second = pool.replicas[1]
+            await wait_until(lambda: second.ready)  # its health watcher started
+            seen = set()
+            for _ in range(12):
+                r = await chat(gw)
+                assert r.status_code == 200, r.text
+                seen.update(served_by(gw, r.headers["x-request-id"]))
+            assert seen == {0, 1}
+
+            first = pool.replicas[0]
+            reload_settings(gw.state, write_config(tmp_path / "b.toml", gw, [1]))
+            assert first.retired and [r.url for r in pool.replicas] == [second.url]
+            before = len(gen_rids(gw.engines[0]))
+            for _ in range(5):
+                r = await chat(gw)
+                assert r.status_code == 200, r.text
+                assert served_by(gw, r.headers["x-request-id"]) == [1]
+            assert len(gen_rids(gw.engines[0])) == before
+            assert first.inflight == 0
+
+
+async def test_tokens_change_and_a_bad_file_changes_nothing(tmp_path: Path) -> None:
+    with trio.fail_after(30):
+        async with running_gateway() as gw:
+            assert (await chat(gw)).status_code == 200  # auth off
+            path = write_config(tmp_path / "g.toml", gw, [0], 'auth = true\ntokens = ["tok-1"]\n')
+            lines = reload_settings(gw.state, path)
+            assert lines[0] == "auth on, 1 token(s)"
+            assert (await chat(gw)).status_code == 401
+            ok = await chat(gw, headers={"Authorization": "Bearer tok-1"})
+            assert ok.status_code == 200, ok.text
+
+            bad = tmp_path / "bad.toml"
+            bad.write_text("[gateway]\nauth = 'yes please'\n")
+            with pytest.raises(ConfigError):
+                reload_settings(gw.state, str(bad))
+            assert (await chat(gw, headers={"Authorization": "Bearer tok-1"})).status_code == 200
+
+
+async def test_other_changes_are_reported_not_applied(tmp_path: Path) -> None:
+    with trio.fail_after(30):
+        async with running_gateway() as gw:
+            path = write_config(tmp_path / "c.toml", gw, [0], "default_max_tokens = 7\n")
+            lines = reload_settings(gw.state, path)
+            assert "[gateway] settings other than auth and tokens need a restart" in lines
+            assert gw.state.settings.gateway.default_max_tokens != 7
+
+
+async def test_sighup_reloads(tmp_path: Path) -> None:
+    with trio.fail_after(30):
+        async with running_gateway() as gw:
+            path = write_config(tmp_path / "s.toml", gw, [0], 'auth = true\ntokens = ["tok-2"]\n')
+            before = gw.state.auth
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_reload_on_sighup, gw.state, path)
+                await trio.sleep(0.1)  # the signal receiver is installed
+                os.kill(os.getpid(), signal.SIGHUP)
+                await wait_until(lambda: gw.state.auth is not before)
+                nursery.cancel_scope.cancel()
+            assert (await chat(gw)).status_code == 401

@@ -560,21 +560,18 @@ def cmd_workers(a: argparse.Namespace) -> None:
             harness = r.get("engine_cpu_us_per_chunk", 0.0) + r.get("loadgen_cpu_us_per_chunk", 0.0)
             cpu.setdefault(r["target"], []).append(
                 (r["sut_cpu_us_per_chunk"], harness, r["chunks_per_s"]))
-    if cpu:
+    # Medians per target: (SUT µs/chunk, harness µs/chunk, chunks/s).
+    meds = {name: tuple(R.med([v[i] for v in vals]) or 0.0 for i in range(3))
+            for name, vals in cpu.items()}
+    if meds:
         md += ("\n\n| target | SUT CPU µs/chunk | engine + load generator µs/chunk "
                "| cores used by the SUT | cores used by the harness |\n|---|---|---|---|---|\n")
-        for name, vals in cpu.items():
-            sut = R.med([v[0] for v in vals])
-            har = R.med([v[1] for v in vals])
-            rate = R.med([v[2] for v in vals])
+        for name, (sut, har, rate) in meds.items():
             md += (f"| {name} | {R.fmt(sut)} | {R.fmt(har)} | {R.fmt(sut * rate / 1e6, 2)} "
                    f"| {R.fmt(har * rate / 1e6, 2)} |\n")
-        w1, w2 = cpu.get("hypercorn-w1"), cpu.get("hypercorn-w2")
-        if w1 and w2:
-            s1 = R.med([v[0] for v in w1])
-            s2 = R.med([v[0] for v in w2])
-            h2 = R.med([v[1] for v in w2])
-            r1 = R.med([v[2] for v in w1])
+        if "hypercorn-w1" in meds and "hypercorn-w2" in meds:
+            s1, _, r1 = meds["hypercorn-w1"]
+            s2, h2, _ = meds["hypercorn-w2"]
             ceiling = 2e6 / (s2 + h2) / r1
             md += (f"\nPer-chunk cost, 1 worker ÷ 2 workers: {R.fmt(s1 / s2, 2)} (1.0 = the "
                    f"workers lose nothing to each other). With the harness on the same two cores, "

@@ -91,15 +91,11 @@ class _Conn:
             return True
 
 
-@contextlib.contextmanager
-def _broken(message: str) -> Iterator[None]:
-    """Map socket and framing failures on an open connection to ``EngineTruncated``."""
-    try:
-        yield
-    except FramingError as exc:
-        raise EngineTruncated("The engine sent a malformed HTTP response.") from exc
-    except _BROKEN as exc:
-        raise EngineTruncated(message) from exc
+def _truncated(exc: BaseException, message: str) -> EngineTruncated:
+    """The gateway error for a socket or framing failure on an open engine connection."""
+    if isinstance(exc, FramingError):
+        return EngineTruncated("The engine sent a malformed HTTP response.")
+    return EngineTruncated(message)
 
 
 class UpstreamResponse:
@@ -116,10 +112,6 @@ class UpstreamResponse:
         self.status: int = parser.status
 
     @property
-    def complete(self) -> bool:
-        return self._parser.done
-
-    @property
     def reusable(self) -> bool:
         return self._parser.done and self._parser.keep_alive
 
@@ -128,7 +120,6 @@ class UpstreamResponse:
             out, self._pending = self._pending, b""
             return out
         parser = self._parser
-        # try/except inline rather than ``_broken()``: this runs once per relayed chunk.
         try:
             while not parser.done:
                 data = await self._conn.stream.receive_some(_RECV)
@@ -140,10 +131,8 @@ class UpstreamResponse:
                 out = parser.feed(data)
                 if out:
                     return out
-        except FramingError as exc:
-            raise EngineTruncated("The engine sent a malformed HTTP response.") from exc
-        except _BROKEN as exc:
-            raise EngineTruncated("The connection to the engine broke mid-response.") from exc
+        except (FramingError, *_BROKEN) as exc:
+            raise _truncated(exc, "The connection to the engine broke mid-response.") from exc
         return b""
 
     async def read_all(self, limit: int) -> bytes:
@@ -208,14 +197,11 @@ class EngineClient:
             tls = u.scheme == "https"
             host = u.hostname or ""
             port = u.port or (443 if tls else 80)
-            authority = host if u.port is None else f"{host}:{u.port}"
-            if ":" in host and not authority.startswith("["):
-                authority = f"[{host}]" if u.port is None else f"[{host}]:{u.port}"
             o = _Origin(
                 key=f"{u.scheme}://{host}:{port}",
                 host=host,
                 port=port,
-                authority=authority,
+                authority=u.netloc.rpartition("@")[2],  # as configured: [v6] brackets, port
                 prefix=u.path.rstrip("/"),
                 tls=tls,
             )
@@ -295,24 +281,27 @@ class EngineClient:
         o = self._origin(base)
         body = _encode(payload)
         data = request_head("POST", o.prefix + path, o.authority, len(body)) + body
-        with trio.fail_after(head_timeout):
+        deadline = trio.current_time() + head_timeout  # checkout, request and head together
+        with trio.fail_at(deadline):
             c = await self._checkout(o)
         resp: UpstreamResponse | None = None
         try:
-            with trio.fail_after(head_timeout):
-                with trio.move_on_after(self._g.connect_timeout) as scope:
-                    with _broken("The connection to the engine broke before the response."):
+            with trio.fail_at(deadline):
+                try:
+                    with trio.move_on_after(self._g.connect_timeout) as scope:
                         await c.stream.send_all(data)
-                if scope.cancelled_caught:
-                    raise EngineUnreachable("The engine did not take the request in time.")
-                parser = ResponseParser()
-                rest = b""
-                while parser.status is None:
-                    with _broken("The connection to the engine broke before the response."):
+                    if scope.cancelled_caught:
+                        raise EngineUnreachable("The engine did not take the request in time.")
+                    parser = ResponseParser()
+                    rest = b""
+                    while parser.status is None:
                         got = bytes(await c.stream.receive_some(_RECV))
                         if not got:
                             parser.eof()
                         rest = parser.feed(got)
+                except (FramingError, *_BROKEN) as exc:
+                    msg = "The connection to the engine broke before the response."
+                    raise _truncated(exc, msg) from exc
             resp = UpstreamResponse(c, parser, rest)
             yield resp
         finally:

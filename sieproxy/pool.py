@@ -101,14 +101,15 @@ class ModelPool:
         """
         old = {r.url: r for r in self.replicas}
         keep: list[Replica] = []
+        added: list[Replica] = []
         for spec in specs:
             url = spec.url.rstrip("/")
             r = old.pop(url, None)
             if r is None:
                 r = Replica(url=url)
+                added.append(r)
             r.pool, r.machine_profile = spec.pool, spec.machine_profile
             keep.append(r)
-        added = [r for r in keep if r.url not in {x.url for x in self.replicas}]
         for r in old.values():
             r.retired = True
         self.replicas = keep

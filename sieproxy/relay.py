@@ -110,6 +110,15 @@ async def _put(send: trio.MemorySendChannel[Event], ev: Event) -> None:
         await send.send(ev)
 
 
+async def _take(recv: trio.MemoryReceiveChannel[Event]) -> Event:
+    """``recv.receive()`` without its scheduling round trip when an event is already buffered
+    (the response's next write is a checkpoint anyway); raises ``EndOfChannel`` at the end."""
+    try:
+        return recv.receive_nowait()
+    except trio.WouldBlock:
+        return await recv.receive()
+
+
 async def sweep_stalls(active: set[GenerationBody], limit: float) -> None:
     """One task per process (not per request) checks every in-flight body for a stalled
     client write, every quarter of the stall limit."""
@@ -357,12 +366,7 @@ class GenerationBody(ResponseBody):
             ev, self._deferred = self._deferred, None
         else:
             try:
-                ev = self._recv.receive_nowait()
-            except trio.WouldBlock:
-                try:
-                    ev = await self._recv.receive()
-                except trio.EndOfChannel:
-                    return None
+                ev = await _take(self._recv)
             except trio.EndOfChannel:
                 return None
         out = self._handle(ev)

@@ -292,8 +292,9 @@ def reload_settings(state: GatewayState, path: str | None) -> list[str]:
     new = load_settings(path)
     old = state.settings
     done: list[str] = []
-    state.auth = Authenticator(new.gateway.auth, new.auth_tokens())
-    done.append(f"auth {'on' if new.gateway.auth else 'off'}, {len(new.auth_tokens())} token(s)")
+    tokens = new.auth_tokens()  # reads tokens_file: once
+    state.auth = Authenticator(new.gateway.auth, tokens)
+    done.append(f"auth {'on' if new.gateway.auth else 'off'}, {len(tokens)} token(s)")
     old_models, new_models = effective_models(old), effective_models(new)
     for name, m in new_models.items():
         pool = state.pools.get(name)

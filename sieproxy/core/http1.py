@@ -164,10 +164,7 @@ class ResponseParser:
         if status == 204 or status == 304:
             self._state = _DONE
         elif te is not None:
-            codings = [t.strip().lower() for t in te.split(b",")]
-            if codings[-1] != b"chunked":
-                raise FramingError("unsupported Transfer-Encoding")
-            if codings != [b"chunked"]:
+            if [t.strip().lower() for t in te.split(b",")] != [b"chunked"]:
                 raise FramingError("unsupported Transfer-Encoding")
             self._state = _SIZE
         elif cl is not None:

@@ -27,6 +27,7 @@ import trio  # noqa: E402
 
 from sieproxy.serve import build_app, serve  # noqa: E402
 from sieproxy.settings import GatewaySettings, ModelSettings, Settings  # noqa: E402
+from tests.procs import stop_process  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The name the engine serves the model under, and the gateway's model name.
@@ -96,12 +97,7 @@ def cpu_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CpuEngine]:
         assert Path(model_dir, "tokenizer_config.json").is_file(), info
         yield CpuEngine(url=url, model_dir=model_dir, log_path=log_path)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_process(proc, grace=20)
         log.close()
 
 

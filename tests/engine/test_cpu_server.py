@@ -24,6 +24,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("torch")
 import trio  # noqa: E402
 
+from tests.procs import stop_process  # noqa: E402
+
 pytestmark = pytest.mark.model
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,11 +99,7 @@ def server(lora_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             time.sleep(0.1)
         yield info
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
         log.close()
 
 

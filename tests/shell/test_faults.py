@@ -259,11 +259,12 @@ MID_STREAM: list[tuple[str, Plan, str]] = [
     ("abort_503", Plan(TOKENS, finish=abort_finish(SECRET, 503, "X")), "upstream_aborted"),
     ("abort_400", Plan(TOKENS, finish=abort_finish(SECRET, 400, "X")), "invalid_request"),
 ]
-
-
-@pytest.mark.parametrize(
+MID_STREAM_CASES = pytest.mark.parametrize(
     ("plan", "code"), [c[1:] for c in MID_STREAM], ids=[c[0] for c in MID_STREAM]
 )
+
+
+@MID_STREAM_CASES
 async def test_fault_after_first_chunk_streaming(plan: Plan, code: str) -> None:
     engine = FakeEngine(script=faulty(plan))
     async with running_gateway(engine) as gw:
@@ -297,9 +298,7 @@ MID_STATUS = {
 }
 
 
-@pytest.mark.parametrize(
-    ("plan", "code"), [c[1:] for c in MID_STREAM], ids=[c[0] for c in MID_STREAM]
-)
+@MID_STREAM_CASES
 async def test_fault_after_first_chunk_non_streaming(plan: Plan, code: str) -> None:
     """Not streaming: the whole answer is collected first, so any fault is a status."""
     engine = FakeEngine(script=faulty(plan))

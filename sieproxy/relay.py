@@ -269,8 +269,11 @@ class GenerationBody(ResponseBody):
                             log.warning("abort of %s on %s failed", rid, replica.url)
             final_cause = self._causes[i]
             if final_cause in ("stop", "best_of"):
-                # The gateway ended this candidate; the shaper still needs its finish.
-                await send.send((i, reader.local_finish()))
+                # The gateway ended this candidate; the shaper still needs its finish, unless
+                # the engine's own finish already went into the channel (the merger's cancel can
+                # land after this task parsed it: ``_put`` does not checkpoint).
+                if not self._terminal[i]:
+                    await send.send((i, reader.local_finish()))
             elif err is not None:
                 if isinstance(err, UpstreamError) and err.status >= 500:
                     self._pool.record_failure(replica)

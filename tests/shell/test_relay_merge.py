@@ -8,10 +8,16 @@ client lost the last tokens before the error event.
 
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
 import trio
 
 from sieproxy.core.errors import EngineTruncated
-from sieproxy.core.events import CandidateDelta
+from sieproxy.core.events import CandidateDelta, CandidateFinish
 from sieproxy.core.merger import ChatStream
 from sieproxy.pool import ModelPool, RouteHints
 from sieproxy.relay import GenerationBody, RequestStats
@@ -63,3 +69,72 @@ async def test_deltas_drained_together_are_one_write() -> None:
         send.send_nowait((0, CandidateDelta(f" t{i}", i + 1)))
     frames = await body.__anext__()
     assert len(decode(frames)) == 5
+
+
+class _OneFinishThenCancelled:
+    """An upstream body: the engine's last chunk and ``[DONE]`` in one read; during the next
+    read (the body is read to its end for connection reuse) the merger cancels the candidate."""
+
+    def __init__(self, body: GenerationBody, cause: str) -> None:
+        self._body = body
+        self._cause = cause
+        self._reads = 0
+
+    async def receive(self) -> bytes:
+        self._reads += 1
+        if self._reads == 1:
+            last = json.dumps(
+                {
+                    "text": " done",
+                    "output_ids": [7],
+                    "meta_info": {
+                        "id": "x-0",
+                        "finish_reason": {"type": "length", "length": 1},
+                        "prompt_tokens": 3,
+                        "completion_tokens": 1,
+                        "cached_tokens": 0,
+                    },
+                }
+            )
+            return f"data: {last}\n\ndata: [DONE]\n\n".encode()
+        self._body._cancel(0, self._cause)
+        await trio.lowlevel.checkpoint()  # raises Cancelled
+        return b""
+
+
+class _Client:
+    def __init__(self, resp: _OneFinishThenCancelled) -> None:
+        self.resp = resp
+        self.aborts: list[str] = []
+
+    @asynccontextmanager
+    async def stream_generate(
+        self, url: str, body: dict[str, Any], *, head_timeout: float
+    ) -> AsyncIterator[_OneFinishThenCancelled]:
+        yield self.resp
+
+    async def abort(self, url: str, rid: str) -> None:
+        self.aborts.append(rid)
+
+
+@pytest.mark.parametrize("cause", ["best_of", "stop"])
+async def test_a_cancel_after_the_engine_finished_sends_one_finish(cause: str) -> None:
+    """Regression (CI, best_of through the openai SDK): a best_of loser or stop-matched
+    candidate cancelled after its task had already queued the engine's finish used to queue a
+    second, local finish; the choice then failed with "got finish while finished" (a 500)."""
+    body, _ = body_with_channel()
+    client = _Client(_OneFinishThenCancelled(body, cause))
+    body._client = client  # type: ignore[assignment]
+    body._scopes = [trio.CancelScope()]
+    body._terminal = [False]
+    body._causes = [None]
+    send, recv = trio.open_memory_channel(8)  # type: ignore[var-annotated]
+    await body._candidate(0, {"rid": "x-0"}, send)
+    events = []
+    async with recv:
+        async for ev in recv:
+            events.append(ev[1])
+    finishes = [e for e in events if isinstance(e, CandidateFinish)]
+    assert len(finishes) == 1
+    assert finishes[0].reason == "length"  # the engine's, not a local abort
+    assert client.aborts == []  # the engine had finished: nothing to abort

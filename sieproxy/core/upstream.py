@@ -12,6 +12,9 @@ Text comes in two modes (engine flag ``--incremental-streaming-output``):
   this does not happen in practice).
 - incremental: ``text`` is a delta. Quirk: an abort chunk carries the *whole* accumulated text;
   when an abort chunk's text starts with everything emitted so far, only the rest is emitted.
+  The reader does not keep the emitted text for that check (a stream of many thousand tokens
+  would hold every piece): it keeps the emitted length and a CRC-32 of the emitted text's
+  UTF-8, so its memory is constant whatever the length of the stream.
 
 Logprob lists are placed by position, which covers both modes and the abort quirk at once: a
 list of ``m`` entries with ``output_token_logprobs_length == L`` holds positions ``[L-m, L)``;
@@ -32,6 +35,7 @@ Errors (all messages are the gateway's own; engine text is never echoed):
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import msgspec
@@ -183,7 +187,7 @@ class GenerateReader:
     def __init__(self, incremental: bool = False) -> None:
         self.incremental = incremental
         self._emitted = 0  # characters of text emitted
-        self._pieces: list[str] = []  # incremental mode: emitted text, for the abort quirk
+        self._crc = 0  # incremental mode: CRC-32 of the emitted text, for the abort quirk
         self._lp_seen = 0
         self._tokens = 0
         self._prompt_tokens = 0
@@ -240,14 +244,22 @@ class GenerateReader:
             new = text[self._emitted :]
             self._emitted += len(new)
             return new
-        if finish is not None and finish.reason == "abort" and self._emitted:
-            so_far = "".join(self._pieces)
-            if text.startswith(so_far):
-                text = text[len(so_far) :]
+        if (
+            finish is not None
+            and finish.reason == "abort"
+            and self._emitted
+            and len(text) >= self._emitted
+            and _crc(text[: self._emitted]) == self._crc
+        ):
+            text = text[self._emitted :]
         if text:
-            self._pieces.append(text)
+            self._crc = _crc(text, self._crc)
             self._emitted += len(text)
         return text
+
+
+def _crc(text: str, crc: int = 0) -> int:
+    return zlib.crc32(text.encode(), crc)
 
 
 def parse_generate_response(body: bytes) -> tuple[CandidateDelta, CandidateFinish]:

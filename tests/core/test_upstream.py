@@ -412,3 +412,43 @@ def test_parse_generate_response_errors() -> None:
         ).encode()
     )
     assert f.reason == "abort"
+
+
+def test_incremental_abort_quirk_after_a_long_non_ascii_stream() -> None:
+    pieces = [f" é{i}" if i % 7 == 0 else f" 词{i} 🙂" for i in range(3000)]
+    payloads = [chunk(p, completion_tokens=i + 1) for i, p in enumerate(pieces)]
+    full = "".join(pieces)
+    abort = {"type": "abort", "message": "Aborted", "status_code": None}
+    # cumulative abort chunk: only the new tail is emitted
+    text, _, fin = collect(
+        GenerateReader(incremental=True),
+        [*payloads, chunk(full + " end", completion_tokens=3001, finish_reason=abort), "[DONE]"],
+    )
+    assert text == full + " end" and fin.reason == "abort"
+    # an abort chunk as long as the text so far but different is a delta, emitted whole
+    other = "x" * len(full)
+    text, _, _ = collect(
+        GenerateReader(incremental=True),
+        [*payloads, chunk(other, completion_tokens=3001, finish_reason=abort), "[DONE]"],
+    )
+    assert text == full + other
+
+
+def test_reader_memory_does_not_grow_with_the_stream() -> None:
+    """A reader keeps no per-token state: 20,000 tokens hold what 100 tokens hold."""
+    import tracemalloc
+
+    def retained(tokens: int) -> int:
+        payloads = [chunk(f" w{i}", completion_tokens=i + 1).encode() for i in range(tokens)]
+        tracemalloc.start()
+        try:
+            reader = GenerateReader(incremental=True)
+            before = tracemalloc.get_traced_memory()[0]
+            for p in payloads:
+                reader.feed(p.decode())
+            return tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+
+    small, large = retained(100), retained(20_000)
+    assert large - small < 2048, (small, large)

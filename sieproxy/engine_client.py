@@ -115,6 +115,11 @@ class UpstreamResponse:
     def reusable(self) -> bool:
         return self._parser.done and self._parser.keep_alive
 
+    def close(self) -> None:
+        """Close the connection now, synchronously, from any task not reading it (the engine
+        sees the disconnect; this response is never reused)."""
+        self._conn.close()
+
     async def receive(self) -> bytes:
         if self._pending:
             out, self._pending = self._pending, b""

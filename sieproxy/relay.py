@@ -1,4 +1,4 @@
-"""The per-request body: one nursery, one task per candidate, one merger.
+"""The per-request body: one nursery, one task per candidate, one merger (``n`` = 1: inline).
 
 Theory of operation
 -------------------
@@ -23,6 +23,11 @@ candidates when a single client write has been parked longer than ``client_stall
 (Hypercorn shields socket writes, so the write itself may outlive cancellation; the GPU
 time is freed regardless).
 
+With ``n`` = 1 (and no best_of) there is no nursery, task or channel: the response task reads
+its single candidate itself between two client writes (``_inline_next``), through the same
+edge helpers as the candidate tasks; a stalled write there is handled by the sweeper closing the
+upstream connection and sending the abort (``abort_stalled``).
+
 Every candidate that ends without a terminal event from its engine (client gone, deadline,
 stop string matched by the gateway, best_of loser, error, stall) sends exactly one
 ``/abort_request`` for its rid, inside ``move_on_after(abort_timeout, shield=True)``, and its
@@ -42,6 +47,7 @@ import trio
 from quart.wrappers.response import ResponseBody
 
 from .core.errors import (
+    ClientStalled,
     EngineHTTPError,
     EngineTimeout,
     EngineUnreachable,
@@ -122,11 +128,26 @@ async def _take(recv: trio.MemoryReceiveChannel[Event]) -> Event:
 async def sweep_stalls(active: set[GenerationBody], limit: float) -> None:
     """One task per process (not per request) checks every in-flight body for a stalled
     client write, every quarter of the stall limit."""
-    while True:
-        await trio.sleep(max(limit / 4, 0.05))
-        now = trio.current_time()
-        for body in list(active):
-            body.check_stall(now)
+    async with trio.open_nursery() as nursery:
+        while True:
+            await trio.sleep(max(limit / 4, 0.05))
+            now = trio.current_time()
+            for body in list(active):
+                if body.check_stall(now):
+                    nursery.start_soon(body.abort_stalled)
+
+
+@dataclass(slots=True)
+class _Inline:
+    """The read state of an inline candidate (``n`` = 1, see ``GenerationBody._inline_next``)."""
+
+    cm: Any = None  # the entered ``stream_generate`` context manager
+    resp: UpstreamResponse | None = None
+    reader: GenerateReader | None = None
+    decoder: SSEDecoder | None = None
+    last: float = 0.0  # when the engine last sent bytes (the gap limit counts from there)
+    opened: bool = False  # the engine may be generating this rid
+    ended: bool = False
 
 
 class GenerationBody(ResponseBody):
@@ -163,6 +184,9 @@ class GenerationBody(ResponseBody):
         self._terminal = [False] * k  # the engine ended this candidate itself
         self._scopes: list[trio.CancelScope] = []
         self._causes: list[str | None] = [None] * k
+        self._aborted = [False] * k  # an /abort_request went out for this candidate
+        # n = 1 (no best_of): the response task reads the candidate itself.
+        self._il: _Inline | None = _Inline() if k == 1 and losers is None else None
         self._recv: trio.MemoryReceiveChannel[Event] | None = None
         self._nursery_cm: Any = None
         self._nursery: trio.Nursery | None = None
@@ -188,6 +212,8 @@ class GenerationBody(ResponseBody):
         self.entered = True
         self.stats.started = trio.current_time()
         self._deadline = self.stats.started + self._g.request_deadline
+        if self._il is not None:
+            return self
         self._nursery_cm = trio.open_nursery()
         self._nursery = await self._nursery_cm.__aenter__()
         self._launch()
@@ -197,8 +223,11 @@ class GenerationBody(ResponseBody):
         self, exc_type: Any, exc: Any, tb: Any
     ) -> bool | None:
         self._cancel_all("client" if exc_type is not None else "done")
-        assert self._nursery is not None
         try:
+            if self._il is not None:
+                await self._inline_close()
+                return None
+            assert self._nursery is not None
             return bool(await self._nursery_cm.__aexit__(exc_type, exc, tb))
         finally:
             self._release()
@@ -217,17 +246,95 @@ class GenerationBody(ResponseBody):
         self._scopes = [trio.CancelScope(deadline=self._deadline) for _ in range(self._k)]
         self._terminal = [False] * self._k
         self._causes = [None] * self._k
+        self._aborted = [False] * self._k
         with send:
             for i, body in enumerate(self._bodies):
                 self._nursery.start_soon(self._candidate, i, body, send.clone())
 
     # ------------------------------------------------------------------ candidates
+    # One lifecycle, two drivers: a task per candidate feeding the channel (``n`` > 1), or the
+    # response task reading its single candidate itself (``_inline``). Both use the helpers
+    # below for what happens at the edges: opening, turning bytes into events, errors,
+    # aborting, and what the shaper must still see at the end.
+    def _open(self, i: int) -> Any:
+        """The ``/generate`` stream of candidate ``i`` (an async context manager)."""
+        return self._client.stream_generate(
+            self.replica.url, self._bodies[i], head_timeout=self._g.token_gap_timeout
+        )
+
+    def _gap_error(self, i: int) -> GatewayError:
+        self._causes[i] = self._causes[i] or "timeout"
+        return EngineTimeout(
+            "The engine produced no token within the configured gap; the request was aborted."
+        )
+
+    def _deadline_error(self, i: int) -> GatewayError:
+        self._causes[i] = "deadline"
+        return EngineTimeout("The request exceeded its deadline and was aborted.")
+
+    def _events(
+        self, i: int, raw: bytes, decoder: SSEDecoder, reader: GenerateReader
+    ) -> tuple[list[Event], GatewayError | None]:
+        """The events in one upstream read, and the error that ends the stream there if any
+        (the events before it still count)."""
+        out: list[Event] = []
+        try:
+            for payload in decoder.feed(raw):
+                delta, finish = reader.feed(payload)
+                if finish is not None:
+                    self._terminal[i] = True
+                if delta is not None:
+                    out.append((i, delta))
+                if finish is not None:
+                    out.append((i, finish))
+                if reader.done:
+                    break
+        except GatewayError as err:
+            return out, err
+        return out, None
+
+    async def _abort(self, i: int, replica: Replica, err: GatewayError | None) -> None:
+        """``/abort_request`` for a candidate the engine may still be generating."""
+        if self._aborted[i] or self._terminal[i]:
+            return
+        self._aborted[i] = True
+        cause = self._causes[i] or ("error" if err is not None else "client")
+        self.stats.abort_causes[cause] = self.stats.abort_causes.get(cause, 0) + 1
+        rid: str = self._bodies[i]["rid"]
+        with trio.move_on_after(self._g.abort_timeout, shield=True):
+            try:
+                await self._client.abort(replica.url, rid)
+            except GatewayError:
+                log.warning("abort of %s on %s failed", rid, replica.url)
+
+    def _settle(
+        self, i: int, replica: Replica, reader: GenerateReader, err: GatewayError | None
+    ) -> CandidateFinish | GatewayError | None:
+        """What the shaper must still see of an ended candidate (and the replica's record)."""
+        cause = self._causes[i]
+        if cause in ("stop", "best_of"):
+            # The gateway ended this candidate; the shaper still needs its finish, unless the
+            # engine's own finish was already read (a cancel can land after it was parsed:
+            # ``_put`` does not checkpoint).
+            return None if self._terminal[i] else reader.local_finish()
+        if cause == "stall":
+            # The writer of this response was parked when the candidate was aborted: should the
+            # client read again, the stream ends with an error event, not a silent cut.
+            return ClientStalled()
+        if err is None:
+            self._pool.record_success(replica)
+            return None
+        if isinstance(err, UpstreamError) and err.status >= 500:
+            self._pool.record_failure(replica)
+        if cause in ("client", "done", "retry", "error"):
+            return None
+        return err
+
     async def _candidate(
         self, i: int, body: dict[str, Any], send: trio.MemorySendChannel[Event]
     ) -> None:
         """Stream one candidate from the engine into the channel (theory: module docstring)."""
         replica = self.replica
-        rid: str = body["rid"]
         scope = self._scopes[i]
         reader = GenerateReader(incremental=replica.incremental)
         err: GatewayError | None = None
@@ -240,47 +347,23 @@ class GenerationBody(ResponseBody):
                         # it, unless the engine itself refused it (no connection, an error
                         # status before any output).
                         opened = True
-                        async with self._client.stream_generate(
-                            replica.url, body, head_timeout=self._g.token_gap_timeout
-                        ) as resp:
+                        async with self._open(i) as resp:
                             await self._pump(i, resp, reader, send)
                     except GatewayError as e:
                         err = e
                         if isinstance(e, EngineUnreachable | EngineHTTPError):
                             opened = False
                     except trio.TooSlowError:
-                        err = EngineTimeout(
-                            "The engine produced no token within the configured gap; "
-                            "the request was aborted."
-                        )
-                        self._causes[i] = self._causes[i] or "timeout"
+                        err = self._gap_error(i)
                 if scope.cancelled_caught and self._causes[i] is None:
-                    self._causes[i] = "deadline"
-                    err = EngineTimeout("The request exceeded its deadline and was aborted.")
+                    err = self._deadline_error(i)
             finally:
                 # Runs on every exit, including the client leaving (an outer cancellation).
-                if opened and not self._terminal[i]:
-                    cause = self._causes[i] or ("error" if err is not None else "client")
-                    self.stats.abort_causes[cause] = self.stats.abort_causes.get(cause, 0) + 1
-                    with trio.move_on_after(self._g.abort_timeout, shield=True):
-                        try:
-                            await self._client.abort(replica.url, rid)
-                        except GatewayError:
-                            log.warning("abort of %s on %s failed", rid, replica.url)
-            final_cause = self._causes[i]
-            if final_cause in ("stop", "best_of"):
-                # The gateway ended this candidate; the shaper still needs its finish, unless
-                # the engine's own finish already went into the channel (the merger's cancel can
-                # land after this task parsed it: ``_put`` does not checkpoint).
-                if not self._terminal[i]:
-                    await send.send((i, reader.local_finish()))
-            elif err is not None:
-                if isinstance(err, UpstreamError) and err.status >= 500:
-                    self._pool.record_failure(replica)
-                if final_cause not in ("client", "done", "retry", "stall", "error"):
-                    await send.send((i, err))
-            else:
-                self._pool.record_success(replica)
+                if opened:
+                    await self._abort(i, replica, err)
+            last = self._settle(i, replica, reader, err)
+            if last is not None:
+                await send.send((i, last))
 
     async def _pump(
         self,
@@ -306,16 +389,11 @@ class GenerationBody(ResponseBody):
                     moved = gap_scope.deadline = now + gap
                 if reader.done:
                     continue  # past [DONE]: read the body to its end so the connection is reused
-                for payload in decoder.feed(raw):
-                    delta, finish = reader.feed(payload)
-                    if finish is not None:
-                        self._terminal[i] = True
-                    if delta is not None:
-                        await _put(send, (i, delta))
-                    if finish is not None:
-                        await _put(send, (i, finish))
-                    if reader.done:
-                        break
+                events, err = self._events(i, raw, decoder, reader)
+                for ev in events:
+                    await _put(send, ev)
+                if err is not None:
+                    raise err
         if gap_scope.cancelled_caught:
             if reader.done:
                 return  # the engine finished but kept the body open: fine, drop the connection
@@ -324,22 +402,115 @@ class GenerationBody(ResponseBody):
             decoder.close()
             reader.eof()
 
+    # ------------------------------------------------------------------ n = 1, inline
+    async def _inline_next(self) -> list[Event]:
+        """The single candidate's next events, read by the response task itself (no task, no
+        channel: one task switch and one buffer fewer per chunk); ``[]`` at its end. Errors
+        come back as an event after the candidate was cleaned up."""
+        il = self._il
+        assert il is not None
+        if il.ended:
+            return []
+        if self._causes[0] is not None:  # stopped or aborted from outside (stall)
+            return await self._inline_end(None)
+        gap = self._g.token_gap_timeout
+        try:
+            if il.cm is None:
+                il.reader = GenerateReader(incremental=self.replica.incremental)
+                il.decoder = SSEDecoder(self._g.max_sse_line_bytes)
+                cm = self._open(0)
+                il.opened = True
+                with trio.move_on_at(self._deadline) as scope:
+                    il.resp = await cm.__aenter__()
+                    il.cm = cm
+                    il.last = trio.current_time()
+                if scope.cancelled_caught:
+                    return await self._inline_end(self._deadline_error(0))
+            resp, reader, decoder = il.resp, il.reader, il.decoder
+            assert resp is not None and reader is not None and decoder is not None
+            while True:
+                with trio.move_on_at(min(self._deadline, il.last + gap)) as scope:
+                    raw = await resp.receive()
+                if scope.cancelled_caught:
+                    if reader.done:
+                        return await self._inline_end(None)  # finished, body left open
+                    if trio.current_time() >= self._deadline:
+                        return await self._inline_end(self._deadline_error(0))
+                    return await self._inline_end(self._gap_error(0))
+                if not raw:
+                    if not reader.done:
+                        decoder.close()
+                        reader.eof()
+                    return await self._inline_end(None)
+                il.last = trio.current_time()
+                if reader.done:
+                    continue  # past [DONE]: read the body to its end so the connection is reused
+                events, err = self._events(0, raw, decoder, reader)
+                if err is not None:
+                    return events + await self._inline_end(err)
+                if events:
+                    return events
+        except GatewayError as e:
+            if isinstance(e, EngineUnreachable | EngineHTTPError) and il.cm is None:
+                il.opened = False
+            return await self._inline_end(e)
+        except trio.TooSlowError:
+            return await self._inline_end(self._gap_error(0))
+
+    async def _inline_end(self, err: GatewayError | None) -> list[Event]:
+        """End the inline candidate: abort it upstream if the engine may still be generating,
+        release its connection, and return what the shaper must still see."""
+        il = self._il
+        assert il is not None
+        await self._inline_close(err)
+        reader = il.reader or GenerateReader()
+        last = self._settle(0, self.replica, reader, err)
+        return [] if last is None else [(0, last)]
+
+    async def _inline_close(self, err: GatewayError | None = None) -> None:
+        il = self._il
+        if il is None or il.ended:
+            return
+        il.ended = True
+        if il.opened:
+            await self._abort(0, self.replica, err)
+        cm, il.cm, il.resp = il.cm, None, None
+        if cm is not None:
+            with trio.CancelScope(shield=True):
+                await cm.__aexit__(None, None, None)
+
     def _cancel(self, i: int, cause: str) -> None:
         if self._causes[i] is None:
             self._causes[i] = cause
-        self._scopes[i].cancel()
+        if i < len(self._scopes):
+            self._scopes[i].cancel()
 
     def _cancel_all(self, cause: str) -> None:
-        for i in range(len(self._scopes)):
+        for i in range(self._k):
             if not self._terminal[i]:
                 self._cancel(i, cause)
 
-    def check_stall(self, now: float) -> None:
-        """Abort every candidate when one client write has been parked too long."""
+    def check_stall(self, now: float) -> bool:
+        """Abort every candidate when one client write has been parked too long. True when
+        the caller must run :meth:`abort_stalled` (an inline candidate has no task to cancel:
+        its reader is the stalled response task)."""
         since = self.writing_since
-        if since is not None and now - since > self._g.client_stall_timeout and not self._done:
-            log.info("request %s: client stalled; aborting upstream", self.stats.request_id)
-            self._cancel_all("stall")
+        if since is None or now - since <= self._g.client_stall_timeout or self._done:
+            return False
+        if self._il is not None and self._causes[0] is not None:
+            return False  # already ended or stalled
+        log.info("request %s: client stalled; aborting upstream", self.stats.request_id)
+        self._cancel_all("stall")
+        return self._il is not None
+
+    async def abort_stalled(self) -> None:
+        """The inline candidate of a stalled client: close its upstream connection (nobody
+        reads it while the response task is parked in the client write, and an engine blocked
+        writing to it would not end the generation) and abort it upstream."""
+        il = self._il
+        if il is not None and il.resp is not None:
+            il.resp.close()
+        await self._abort(0, self.replica, None)
 
     # ------------------------------------------------------------------ merging
     def _handle(self, ev: Event) -> bytes:
@@ -364,6 +535,8 @@ class GenerationBody(ResponseBody):
 
     async def _next_frames(self) -> bytes | None:
         """One merged write: the next event plus everything already buffered (None at end)."""
+        if self._il is not None:
+            return await self._inline_frames()
         assert self._recv is not None
         if self._deferred is not None:
             ev, self._deferred = self._deferred, None
@@ -383,6 +556,26 @@ class GenerationBody(ResponseBody):
                 self._deferred = ev
                 break
             out += self._handle(ev)
+        return out
+
+    async def _inline_frames(self) -> bytes | None:
+        """``_next_frames`` for an inline candidate: the events of one upstream read."""
+        if self._deferred is not None:
+            ev, self._deferred = self._deferred, None
+            return self._handle(ev)
+        events = await self._inline_next()
+        if not events:
+            return None
+        out = self._handle(events[0])
+        for k in range(1, len(events)):
+            ev = events[k]
+            if isinstance(ev[1], GatewayError):
+                self._deferred = ev  # an error ends the response: first write what came before
+                break
+            out += self._handle(ev)
+        if self._causes[0] == "stop":  # the gateway matched a stop string: end it now
+            for ev in await self._inline_next():
+                out += self._handle(ev)
         return out
 
     async def prime(self) -> bytes:
@@ -427,15 +620,26 @@ class GenerationBody(ResponseBody):
     async def _restart_on(self, other: Replica) -> None:
         self._cancel_all("retry")
         self._deferred = None
+        if self._il is not None:
+            await self._inline_close()
+            self._switch_to(other)
+            self._il = _Inline()
+            self._terminal = [False]
+            self._causes = [None]
+            self._aborted = [False]
+            return
         assert self._recv is not None
         with self._recv:
             async for _ in self._recv:  # wait for the old candidates to finish their cleanup
                 pass
+        self._switch_to(other)
+        self._launch()
+
+    def _switch_to(self, other: Replica) -> None:
         self._release()
         self.replica = other
         self._held = self._k
         self.stats.replica = other.url
-        self._launch()
 
     def __aiter__(self) -> GenerationBody:
         return self

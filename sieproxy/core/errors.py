@@ -248,6 +248,23 @@ class EngineTruncated(UpstreamError):
         super().__init__(message, **kw)
 
 
+class ClientStalled(GatewayError):
+    """The client stopped reading for longer than ``client_stall_timeout``: the generation was
+    aborted upstream. Sent as the stream's error event if the client ever reads again."""
+
+    status = 408
+    type = "timeout_error"
+    code = "client_stalled"
+
+    def __init__(
+        self,
+        message: str = "The client did not read the stream for too long; the generation was "
+        "aborted.",
+        **kw: Any,
+    ) -> None:
+        super().__init__(message, **kw)
+
+
 class EngineTimeout(UpstreamError):
     status = 504
     code = "upstream_timeout"

@@ -1,5 +1,6 @@
 """The response body's merger (``relay.GenerationBody._next_frames``) with events injected
-straight into its channel, so same-tick arrivals are deterministic.
+straight into its channel (two candidates: the channel mode), or upstream reads scripted for
+an inline candidate (``n`` = 1), so same-tick arrivals are deterministic.
 
 Regression: an error that arrived in the same drain as earlier deltas used to discard the
 frames of those deltas (found by the fault matrix's ``eof_clean`` case under new timings): the
@@ -25,21 +26,28 @@ from sieproxy.settings import EngineSpec, GatewaySettings
 from tests.core.test_merger import CREATED, chat, decode
 
 
-def body_with_channel() -> tuple[GenerationBody, trio.MemorySendChannel]:  # type: ignore[type-arg]
+def make_body(k: int, client: Any = None) -> GenerationBody:
     g = GatewaySettings()
     pool = ModelPool("m", [EngineSpec(url="http://127.0.0.1:9")], g)
     shaper = ChatStream(chat(), response_id="chatcmpl-x", model="m", created=CREATED)
     body = GenerationBody(
         g=g,
-        client=None,  # type: ignore[arg-type]  # never used: no candidate runs
+        client=client,
         pool=pool,
         replica=pool.replicas[0],
         hints=RouteHints(),
-        bodies=[{"rid": "x-0"}],
+        bodies=[{"rid": f"x-{i}"} for i in range(k)],
         shaper=shaper,
         streaming=True,
         stats=RequestStats(request_id="x", model="m", endpoint="chat", n=1, stream=True),
     )
+    assert (body._il is not None) == (k == 1)
+    return body
+
+
+def body_with_channel() -> tuple[GenerationBody, trio.MemorySendChannel]:  # type: ignore[type-arg]
+    """Channel mode (two candidates; the events below all belong to candidate 0)."""
+    body = make_body(2)
     send, recv = trio.open_memory_channel(8)  # type: ignore[var-annotated]
     body._recv = recv
     return body, send
@@ -103,14 +111,14 @@ class _OneFinishThenCancelled:
 
 
 class _Client:
-    def __init__(self, resp: _OneFinishThenCancelled) -> None:
+    def __init__(self, resp: Any) -> None:
         self.resp = resp
         self.aborts: list[str] = []
 
     @asynccontextmanager
     async def stream_generate(
         self, url: str, body: dict[str, Any], *, head_timeout: float
-    ) -> AsyncIterator[_OneFinishThenCancelled]:
+    ) -> AsyncIterator[Any]:
         yield self.resp
 
     async def abort(self, url: str, rid: str) -> None:
@@ -138,3 +146,116 @@ async def test_a_cancel_after_the_engine_finished_sends_one_finish(cause: str) -
     assert len(finishes) == 1
     assert finishes[0].reason == "length"  # the engine's, not a local abort
     assert client.aborts == []  # the engine had finished: nothing to abort
+
+
+# ---- n = 1: the response task reads its candidate itself ----------------------------------
+
+
+def sse(text: str, tokens: int, finish: dict[str, Any] | None = None) -> bytes:
+    meta = {
+        "id": "x-0",
+        "finish_reason": finish,
+        "prompt_tokens": 3,
+        "completion_tokens": tokens,
+        "cached_tokens": 0,
+    }
+    payload = json.dumps({"text": text, "output_ids": [], "meta_info": meta}).encode()
+    return b"data: " + payload + b"\n\n"
+
+
+class _Scripted:
+    """An upstream body: one scripted read per call, then the end of the body."""
+
+    def __init__(self, reads: list[bytes]) -> None:
+        self.reads = list(reads)
+        self.closed = False
+
+    async def receive(self) -> bytes:
+        await trio.lowlevel.checkpoint()
+        return self.reads.pop(0) if self.reads else b""
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def inline_body(reads: list[bytes], **shaper_kw: Any) -> tuple[GenerationBody, _Client]:
+    client = _Client(_Scripted(reads))  # type: ignore[arg-type]
+    body = make_body(1, client)
+    body.replica.incremental = True  # the scripted texts are deltas
+    if shaper_kw:
+        body._shaper = ChatStream(
+            chat(**shaper_kw), response_id="chatcmpl-x", model="m", created=CREATED
+        )
+    return body, client
+
+
+def contents(events: list[Any]) -> str:
+    return "".join(
+        e["choices"][0]["delta"].get("content") or ""
+        for e in events
+        if isinstance(e, dict) and e.get("choices")
+    )
+
+
+async def test_inline_payloads_of_one_read_are_one_write() -> None:
+    body, client = inline_body([sse(" a", 1) + sse(" b", 2) + sse(" c", 3), sse(" d", 4)])
+    async with body:
+        head = await body.prime()
+        assert contents(decode(head)) == " a b c"
+        assert contents(decode(await body.__anext__())) == " d"
+        tail = decode(await body.__anext__())  # the body ended without a finish
+    assert tail[0]["error"]["code"] == "upstream_truncated" and tail[-1] == "[DONE]"
+    assert client.aborts == ["x-0"]  # the engine never said it finished
+    assert body.stats.abort_causes == {"error": 1}
+
+
+async def test_inline_error_behind_deltas_in_one_read() -> None:
+    bad = b'data: {"error": {"message": "secret", "code": 500}}\n\n'
+    body, client = inline_body([sse(" w0", 1) + sse(" w1", 2) + bad])
+    async with body:
+        head = await body.prime()
+        assert contents(decode(head)) == " w0 w1"  # both deltas, in one write
+        tail = decode(await body.__anext__())  # then the error event and [DONE]
+    assert tail[0]["error"]["code"] == "upstream_error" and "secret" not in str(tail)
+    assert tail[-1] == "[DONE]"
+    assert client.aborts == ["x-0"]
+
+
+async def test_inline_finish_then_done_reuses_nothing_and_aborts_nothing() -> None:
+    fin = {"type": "length", "length": 2}
+    body, client = inline_body([sse(" a", 1), sse(" b", 2, fin) + b"data: [DONE]\n\n"])
+    async with body:
+        out = await body.prime()
+        async for frames in body:
+            out += frames
+    events = decode(out)
+    assert contents(events) == " a b" and events[-1] == "[DONE]"
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]][-1] == "length"
+    assert client.aborts == [] and body.stats.abort_causes == {}
+
+
+async def test_inline_stop_string_ends_the_candidate_in_the_same_write() -> None:
+    body, client = inline_body([sse(" one", 1) + sse(" two STOP three", 2)], stop=["STOP"])
+    async with body:
+        head = await body.prime()
+        events = decode(head)
+        assert contents(events) == " one two "
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+        rest = b"".join([frames async for frames in body])
+    assert decode(rest)[-1] == "[DONE]"
+    assert client.aborts == ["x-0"] and body.stats.abort_causes == {"stop": 1}
+
+
+async def test_inline_stalled_client_aborts_then_gets_an_error_event() -> None:
+    body, client = inline_body([sse(" a", 1), sse(" b", 2)])
+    async with body:
+        await body.prime()
+        body.writing_since = trio.current_time() - body._g.client_stall_timeout - 1
+        assert body.check_stall(trio.current_time())  # the sweeper must abort this one
+        assert not body.check_stall(trio.current_time())  # once
+        await body.abort_stalled()
+        assert client.resp.closed and client.aborts == ["x-0"]
+        body.writing_since = None  # the parked write returned after all
+        tail = decode(await body.__anext__())
+    assert tail[0]["error"]["code"] == "client_stalled" and tail[-1] == "[DONE]"
+    assert client.aborts == ["x-0"] and body.stats.abort_causes == {"stall": 1}

@@ -24,7 +24,7 @@ from typing import Any
 
 from bench import report as R
 from bench import targets as T
-from bench.runner import PROGRESS, Bench, Layout, machine, raise_nofile, run_loadgen, versions
+from bench.runner import PROGRESS, Bench, Layout, machine, raise_nofile, run_load, versions
 from bench.runner import wait_engine_idle as idle
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -44,8 +44,12 @@ def _common(p: argparse.ArgumentParser, targets: str, duration: float) -> None:
     p.add_argument("--repeat", type=int, default=2, help="rounds of alternating targets")
     p.add_argument("--quick", action="store_true", help="short windows, one round")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
-    p.add_argument("--engine", choices=("fast", "fake"), default="fast",
-                   help="fast: bench/fastengine.py; fake: engine/fake.py")
+    p.add_argument("--engine", choices=("fast", "fake", "native"), default="fast",
+                   help="fast: bench/fastengine.py; fake: engine/fake.py; native: the C engine "
+                   "of bench/native/harness.c (built on first use)")
+    p.add_argument("--loadgen", choices=("python", "native"), default="python",
+                   help="python: bench/loadgen.py; native: the C load generator of "
+                   "bench/native/harness.c (closed loop, no fan-out)")
     p.add_argument("--cumulative", action="store_true",
                    help="engine sends cumulative text (default: incremental deltas)")
     p.add_argument("--no-results", action="store_true", help="do not touch bench/RESULTS.md")
@@ -84,8 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--leave-after", type=int, default=20)
     w = sub.add_parser("workers", help="1 vs 2 Hypercorn workers (unpinned, saturated)")
     _common(w, "hypercorn-w1,hypercorn-w2", 10.0)
-    w.add_argument("--concurrency", type=int, default=256)
-    w.add_argument("--itl-ms", type=float, default=0.0)
+    w.add_argument("--concurrency", type=int, default=512,
+                   help="clients (512 at 20 ms ITL offer ~25k chunks/s, more than one worker "
+                   "relays)")
+    w.add_argument("--itl-ms", type=float, default=20.0)
+    w.add_argument("--ceiling", choices=("python", "native", "off"), default="python",
+                   help="the machine's ceiling probe: a CPU-bound loop alone, then two at once "
+                   "(python: a small loop in the gateway's interpreter; native: the C spin loop)")
+    w.add_argument("--ceiling-seconds", type=float, default=1.5,
+                   help="seconds per run of a ceiling probe (one alone, two at once, one, two, "
+                   "one)")
+    w.set_defaults(engine="native", loadgen="native")
     return p
 
 
@@ -99,6 +112,7 @@ def _bench(a: argparse.Namespace, pin: bool = True) -> Bench:
     return Bench(
         Layout.make(pin and not a.no_pin), tokens=a.tokens, ttft_ms=a.ttft_ms,
         duration=a.duration, warmup=a.warmup, incremental=not a.cumulative,
+        loadgen=a.loadgen,
     )
 
 
@@ -125,6 +139,7 @@ def _meta(a: argparse.Namespace, b: Bench) -> dict[str, Any]:
         "layout": {"sut_cpus": b.layout.sut, "engine_and_loadgen_cpus": b.layout.harness},
         "engine": {"kind": a.engine, "tokens": b.tokens, "ttft_ms": b.ttft_ms,
                    "incremental": b.incremental},
+        "loadgen": b.loadgen,
         "unavailable": b.unavailable,
     }
 
@@ -143,7 +158,8 @@ def _header(name: str, meta: dict[str, Any]) -> str:
         f"{pin}.", "",
         f"Versions: {v}.", "",
         f"Engine: `{e['kind']}` ({'incremental' if e['incremental'] else 'cumulative'} text), "
-        f"{e['tokens']} tokens per response, TTFT {e['ttft_ms']:g} ms.", "",
+        f"{e['tokens']} tokens per response, TTFT {e['ttft_ms']:g} ms; load generator: "
+        f"`{meta.get('loadgen', 'python')}`.", "",
     ]
     for t, why in meta.get("unavailable", {}).items():
         lines += [f"Target `{t}` could not be run: {why}", ""]
@@ -171,7 +187,7 @@ def _finish(a: argparse.Namespace, name: str, md: str, verdicts: list[dict[str, 
 def _measure(b: Bench, tgt: T.Target, eng: T.Proc, label: str, **kw: Any) -> dict[str, Any]:
     idle(eng.port)
     cfg = b.load_cfg(tgt, eng, **kw)
-    res = run_loadgen(cfg, b.layout, label)
+    res = run_load(cfg, b.layout, label, b.loadgen)
     res.update(target=tgt.name, n=kw["n"], concurrency=kw["concurrency"], itl_ms=kw["itl_ms"])
     return res
 
@@ -517,15 +533,32 @@ def cmd_soak(a: argparse.Namespace) -> None:
 # ---- workers --------------------------------------------------------------------------------
 
 
+def _ceiling(a: argparse.Namespace, probes: list[dict[str, Any]], when: str) -> None:
+    """One probe of the machine's own ceiling: a CPU-bound loop alone, then two at once."""
+    if a.ceiling == "off":
+        return
+    from bench import native
+
+    PROGRESS.phase(f"machine ceiling ({a.ceiling} loop, {when}) ...")
+    try:
+        r = native.machine_ceiling(a.ceiling_seconds, a.ceiling)
+    except (native.NativeUnavailable, RuntimeError, OSError) as exc:
+        PROGRESS.note(f"machine ceiling probe failed: {exc}")
+        return
+    probes.append({**r, "when": when})
+
+
 def cmd_workers(a: argparse.Namespace) -> None:
     b = _bench(a, pin=False)
     runs: list[dict[str, Any]] = []
+    probes: list[dict[str, Any]] = []
     eng = _engine(b, a, a.itl_ms)
     tg: dict[str, T.Target] = {}
     try:
         tg = b.start_targets(a.targets, eng.port)
         total = a.repeat * len(tg)
         k = 0
+        _ceiling(a, probes, "before round 1")
         for rep in range(a.repeat):
             for name in _rotate([t for t in a.targets if t in tg], rep):
                 k += 1
@@ -533,16 +566,22 @@ def cmd_workers(a: argparse.Namespace) -> None:
                              n=1, concurrency=a.concurrency, itl_ms=a.itl_ms)
                 r["repeat"] = rep
                 runs.append(r)
+            _ceiling(a, probes, f"after round {rep + 1}")
     finally:
         for t in tg.values():
             t.stop()
         eng.stop()
     meta = _meta(a, b)
+    meta["machine_ceiling"] = {"probe": a.ceiling, "seconds": a.ceiling_seconds,
+                               "probes": probes}
     path = _save("workers", meta, [_strip(r) for r in runs])
     md = _header("workers", meta)
     md += (f"\n`hypercorn --worker-class trio --workers K sieproxy.asgi:app`, {a.concurrency} "
-           f"clients, ITL {a.itl_ms:g} ms (saturating), nothing pinned: workers, engine and load "
-           "generator share both CPUs.\n\n")
+           f"clients, ITL {a.itl_ms:g} ms, nothing pinned: workers, engine and load "
+           f"generator share both CPUs. Engine `{a.engine}`, load generator `{b.loadgen}`"
+           + (" (bench/native/harness.c, see docs/BENCH-METHOD.md; its CPU per chunk is in "
+              "the engine and loadgen columns)" if a.engine == "native"
+              and b.loadgen == "native" else "") + ".\n\n")
     md += R.relay_table(runs, a.targets)
     per: dict[int, dict[str, float]] = {}
     for r in runs:
@@ -550,7 +589,27 @@ def cmd_workers(a: argparse.Namespace) -> None:
             per.setdefault(r["repeat"], {})[r["target"]] = r["chunks_per_s"]
     rat = R.med([v["hypercorn-w2"] / v["hypercorn-w1"] for v in per.values()
                  if v.get("hypercorn-w1") and v.get("hypercorn-w2")])
+    mach = R.med([pr["ratio"] for pr in probes])
+    mach_txt = ""
+    if mach is not None:
+        mach_txt = (f"machine: two CPU-bound processes = {R.fmt(mach, 2)}× one "
+                    f"({a.ceiling} loop; median of {len(probes)} probes of 1-2-1-2-1 "
+                    f"processes, {a.ceiling_seconds:g} s each: "
+                    + ", ".join(f"{pr['ratio']:.2f}×" for pr in probes) + ")")
     md += f"\n\nchunks/s, 2 workers ÷ 1 worker (per round, median): {R.fmt(rat, 2)}×"
+    if mach_txt:
+        md += f"; {mach_txt}."
+    w1 = R.med([r["chunks_per_s"] for r in runs
+                if "error" not in r and r["target"] == "hypercorn-w1"])
+    if a.itl_ms > 0 and w1:
+        # the closed loop cannot ask for more than every client's stream at full engine speed
+        # (one role and one finish chunk per response besides the tokens)
+        offered = a.concurrency * 1000 / a.itl_ms * (b.tokens + 2) / b.tokens
+        md += (f" The {a.concurrency} clients ask for at most {offered:,.0f} chunks/s (one "
+               f"token per {a.itl_ms:g} ms per stream); one worker relayed {w1:,.0f}, so no "
+               f"number of workers can show more than {offered / w1:.2f}× here"
+               + (" — raise --concurrency until one worker is saturated well below that."
+                  if offered / w1 < 1.8 else "."))
     # Where the CPU went: on two shared cores the engine and the load generator take their
     # share, which caps what a second worker can add; the per-chunk cost shows whether the
     # workers themselves lose anything by running side by side.
@@ -569,16 +628,38 @@ def cmd_workers(a: argparse.Namespace) -> None:
         for name, (sut, har, rate) in meds.items():
             md += (f"| {name} | {R.fmt(sut)} | {R.fmt(har)} | {R.fmt(sut * rate / 1e6, 2)} "
                    f"| {R.fmt(har * rate / 1e6, 2)} |\n")
+        if mach is not None:
+            md += (f"| machine | two CPU-bound processes = {R.fmt(mach, 2)}× one "
+                   f"| each runs at {R.fmt(mach / 2, 2)}× its speed alone |||\n")
         if "hypercorn-w1" in meds and "hypercorn-w2" in meds:
-            s1, _, r1 = meds["hypercorn-w1"]
+            s1, h1, r1 = meds["hypercorn-w1"]
             s2, h2, _ = meds["hypercorn-w2"]
             ceiling = 2e6 / (s2 + h2) / r1
+            lossless = 2e6 / (s1 + h1) / r1
             md += (f"\nPer-chunk cost, 1 worker ÷ 2 workers: {R.fmt(s1 / s2, 2)} (1.0 = the "
-                   f"workers lose nothing to each other). With the harness on the same two cores, "
-                   f"two workers can at most reach 2 cores ÷ (SUT + harness µs/chunk) = "
-                   f"{R.fmt(ceiling, 2)}× one worker's rate on this machine.")
+                   "workers lose nothing to each other"
+                   + (f"; the machine's own figure for two busy processes is "
+                      f"{R.fmt(mach / 2, 2)}" if mach is not None else "")
+                   + "). With the harness on the same two cores, two workers can at most reach "
+                   f"2 cores ÷ (SUT + harness µs/chunk, as measured with two workers) = "
+                   f"{R.fmt(ceiling, 2)}× one worker's rate on this machine; if they lost "
+                   "nothing to each other (one worker's costs per chunk), "
+                   f"2 cores ÷ (SUT + harness µs/chunk with one worker) = {R.fmt(lossless, 2)}×.")
+    other = [r.get("other_cores") for r in runs if "error" not in r]
+    if any(o is not None for o in other):
+        worst = max(o for o in other if o is not None)
+        md += (f"\n\nOther work on the machine during the windows (all CPU time not used by "
+               f"SUT, engine or load generator): at most {worst:.2f} cores"
+               + (" — the machine was shared; read the figures with that in mind."
+                  if worst > 0.1 else "."))
+    share = R.med([r.get("harness_sys_share") for r in runs if "error" not in r])
+    if share is not None:
+        md += (f"\n\nThe harness (engine + load generator) spent {share:.0%} of its CPU in the "
+               "kernel: loopback TCP, one segment per chunk that the engine sends and the load "
+               "generator receives and acknowledges; its own code is the rest.")
     verdicts = [R.verdict("two workers behind one port relay about twice the streams of one",
-                          None if rat is None else rat >= 1.8, f"{R.fmt(rat, 2)}×")]
+                          None if rat is None else rat >= 1.8,
+                          f"{R.fmt(rat, 2)}×" + (f" ({mach_txt})" if mach_txt else ""))]
     _finish(a, "workers", md, verdicts, path)
 
 

@@ -443,16 +443,7 @@ class Runner:
             r1 = resource.getrusage(resource.RUSAGE_SELF)
             wall = time.monotonic() - w0
             out.update(
-                wall=wall,
-                sut_cpu=s1.cpu - s0.cpu,
-                sut_cpu_ticks=s1.cpu_ticks - s0.cpu_ticks,
-                sut_pids=list(s1.pids),
-                sut_rss_idle=idle.rss,
-                sut_rss_start=s0.rss,
-                sut_rss_end=s1.rss,
-                sut_rss_peak=max(peak, s1.rss),
-                sut_hwm=s1.hwm,
-                engine_cpu=e1.cpu - e0.cpu,
+                window_fields(wall, idle, s0, s1, e0, e1, peak),
                 loadgen_cpu=(r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime),
                 rss_series=rss_series,
                 inflight_at_stop=st.inflight,
@@ -507,6 +498,25 @@ class Runner:
             res["engine_cpu_us_per_chunk"] = out.get("engine_cpu", 0.0) / st.window_chunks * 1e6
             res["loadgen_cpu_us_per_chunk"] = out.get("loadgen_cpu", 0.0) / st.window_chunks * 1e6
         return res
+
+
+def window_fields(
+    wall: float, idle: Any, s0: Any, s1: Any, e0: Any, e1: Any, peak: int
+) -> dict[str, Any]:
+    """The SUT's and engine's figures over one measurement window (``procstat`` samples at
+    its edges), as both load generators report them."""
+    return {
+        "wall": wall,
+        "sut_cpu": s1.cpu - s0.cpu,
+        "sut_cpu_ticks": s1.cpu_ticks - s0.cpu_ticks,
+        "sut_pids": list(s1.pids),
+        "sut_rss_idle": idle.rss,
+        "sut_rss_start": s0.rss,
+        "sut_rss_end": s1.rss,
+        "sut_rss_peak": max(peak, s1.rss),
+        "sut_hwm": s1.hwm,
+        "engine_cpu": e1.cpu - e0.cpu,
+    }
 
 
 def pct(values: array.array) -> dict[str, float | int]:

@@ -82,6 +82,20 @@ def raise_nofile() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
+def read_progress(stream: Any, err_lines: list[str]) -> None:
+    """A load generator's stderr: ``PROGRESS {...}`` lines update the display, the rest is kept
+    for the error report."""
+    for line in stream:
+        if line.startswith("PROGRESS "):
+            d = json.loads(line[9:])
+            PROGRESS.update(
+                f"t={d['t']:.0f}/{d['of']:.0f}s chunks={d['chunks']} "
+                f"open={d['inflight']} err={d['errors']}"
+            )
+        else:
+            err_lines.append(line)
+
+
 def run_loadgen(cfg: dict[str, Any], layout: Layout, label: str) -> dict[str, Any]:
     """Run one load generator process; returns its JSON result (``error`` key on failure)."""
     cfg = dict(cfg)
@@ -97,21 +111,26 @@ def run_loadgen(cfg: dict[str, Any], layout: Layout, label: str) -> dict[str, An
     stdout_parts: list[str] = []
     reader = threading.Thread(target=lambda: stdout_parts.append(p.stdout.read()), daemon=True)
     reader.start()
-    for line in p.stderr:
-        if line.startswith("PROGRESS "):
-            d = json.loads(line[9:])
-            PROGRESS.update(
-                f"t={d['t']:.0f}/{d['of']:.0f}s chunks={d['chunks']} "
-                f"open={d['inflight']} err={d['errors']}"
-            )
-        else:
-            err_lines.append(line)
+    read_progress(p.stderr, err_lines)
     reader.join()
     out = "".join(stdout_parts)
     p.wait()
     if p.returncode != 0 or not out:
         return {"error": "loadgen failed: " + "".join(err_lines)[-2000:]}
     return json.loads(out)
+
+
+def run_load(cfg: dict[str, Any], layout: Layout, label: str,
+             kind: str = "python") -> dict[str, Any]:
+    """Run one measurement with the ``python`` (bench/loadgen.py) or ``native`` (C) load
+    generator; both return the same result keys."""
+    if kind == "native":
+        from bench.native import run_native_loadgen
+
+        return run_native_loadgen(cfg, layout, label)
+    if kind != "python":
+        raise ValueError(f"unknown load generator {kind!r}")
+    return run_loadgen(cfg, layout, label)
 
 
 def wait_engine_idle(engine_port: int, timeout: float = 15.0) -> dict[str, int]:
@@ -199,6 +218,7 @@ class Bench:
     duration: float = 10.0
     warmup: float | None = None
     incremental: bool = True
+    loadgen: str = "python"
     runs: list[dict[str, Any]] = field(default_factory=list)
     unavailable: dict[str, str] = field(default_factory=dict)
 

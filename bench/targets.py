@@ -123,18 +123,25 @@ def spawn(name: str, argv: list[str], port: int, env: dict[str, str] | None = No
 # ---- the engine -----------------------------------------------------------------------------
 
 
-ENGINES = {"fast": "bench.fastengine", "fake": "bench.engine_proc"}
+#: Engine kinds: a Python module run with ``-m``, or ``native`` (bench/native/harness.c).
+ENGINES = {"fast": "bench.fastengine", "fake": "bench.engine_proc", "native": "native"}
 
 
 def start_engine(ttft_ms: float, itl_ms: float, tokens: int, cpus: str | None,
                  incremental: bool = True, kind: str = "fast") -> Proc:
-    """``fast``: bench/fastengine.py (default); ``fake``: engine/fake.py (bench/engine_proc.py)."""
+    """``fast``: bench/fastengine.py (default); ``fake``: engine/fake.py (bench/engine_proc.py);
+    ``native``: the C engine of bench/native/harness.c (built on first use, see bench/native.py).
+    """
     port = free_port()
-    ENGINE_MODULE = ENGINES[kind]
-    argv = taskset(cpus) + [
-        PY, "-m", ENGINE_MODULE, "--port", str(port), "--ttft-ms", str(ttft_ms),
-        "--itl-ms", str(itl_ms), "--tokens", str(tokens),
-    ] + (["--incremental"] if incremental else [])
+    if kind == "native":
+        from bench import native
+
+        argv = taskset(cpus) + native.engine_argv(port, ttft_ms, itl_ms, tokens, incremental)
+    else:
+        argv = taskset(cpus) + [
+            PY, "-m", ENGINES[kind], "--port", str(port), "--ttft-ms", str(ttft_ms),
+            "--itl-ms", str(itl_ms), "--tokens", str(tokens),
+        ] + (["--incremental"] if incremental else [])
     p = spawn("engine", argv, port)
     wait_http(port, "/health", 30, p.popen, what="fake engine")
     return p

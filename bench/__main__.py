@@ -173,6 +173,15 @@ def _save(name: str, meta: dict[str, Any], runs: list[dict[str, Any]], extra: An
     return path
 
 
+def _plot(a: argparse.Namespace, name: str) -> Path:
+    """Where a plot goes: beside RESULTS.md, or bench/out/ with --no-results (an experiment
+    must not replace the images the recorded tables refer to)."""
+    if a.no_results:
+        T.OUT.mkdir(parents=True, exist_ok=True)
+        return T.OUT / name
+    return BENCH_DIR / name
+
+
 def _finish(a: argparse.Namespace, name: str, md: str, verdicts: list[dict[str, Any]],
             path: Path) -> None:
     PROGRESS.done()
@@ -240,7 +249,7 @@ def cmd_relay(a: argparse.Namespace) -> None:
             cpu_groups.append((f"n{key[0]} c{key[1]} {key[2]:g}ms", g))
     if cpu_groups:
         R.bars_svg(cpu_groups, "SUT CPU per relayed chunk (µs, log scale)", "µs / chunk",
-                   BENCH_DIR / "relay-cpu.svg")
+                   _plot(a, "relay-cpu.svg"))
         plots.append("relay-cpu.svg")
     keys = sorted({R.scen_key(r) for r in runs})
     ttft_key = next((k2 for k2 in keys if k2[1] == 1), keys[0] if keys else None)
@@ -249,13 +258,13 @@ def cmd_relay(a: argparse.Namespace) -> None:
         R.cdf_svg({t: [x for r in runs if R.scen_key(r) == ttft_key and r["target"] == t
                        for x in r.get("ttft_samples", [])] for t in order},
                   f"TTFT, n={ttft_key[0]}, {ttft_key[1]} client(s), ITL {ttft_key[2]:g} ms",
-                  "ms (log)", BENCH_DIR / "relay-ttft.svg")
+                  "ms (log)", _plot(a, "relay-ttft.svg"))
         plots.append("relay-ttft.svg")
     if gap_key:
         R.cdf_svg({t: [x for r in runs if R.scen_key(r) == gap_key and r["target"] == t
                        for x in r.get("gap_samples", [])] for t in order},
                   f"Inter-chunk gap, n={gap_key[0]}, {gap_key[1]} clients, ITL {gap_key[2]:g} ms",
-                  "ms (log)", BENCH_DIR / "relay-gap.svg")
+                  "ms (log)", _plot(a, "relay-gap.svg"))
         plots.append("relay-gap.svg")
     md = _header("relay", meta)
     md += ("\nMedians over repeats. *chunk* = one SSE `data:` event other than `[DONE]`; CPU is "
@@ -340,13 +349,13 @@ def cmd_latency(a: argparse.Namespace) -> None:
     if 1 in a.n:
         R.cdf_svg({t: [x for r in runs if r["n"] == 1 and r["target"] == t
                        for x in r.get("ttft_samples", [])] for t in order},
-                  "TTFT at 1 client, n=1", "ms (log)", BENCH_DIR / "latency-ttft.svg")
+                  "TTFT at 1 client, n=1", "ms (log)", _plot(a, "latency-ttft.svg"))
         plots.append("latency-ttft.svg")
     if 16 in a.n:
         R.cdf_svg({t: [x for r in runs if r["n"] == 16 and r["target"] == t
                        for x in r.get("all_first_samples", [])] for t in order},
                   "n=16: time until all 16 choices' first tokens", "ms (log)",
-                  BENCH_DIR / "latency-fanout.svg")
+                  _plot(a, "latency-fanout.svg"))
         plots.append("latency-fanout.svg")
     md = _header("latency", meta)
     md += (f"\nOne client, closed loop, {a.tokens}-token responses at {a.itl_ms:g} ms ITL. "
@@ -525,7 +534,7 @@ def cmd_soak(a: argparse.Namespace) -> None:
                 f"{r['disconnects'] + r.get('inflight_at_stop', 0)} client departures"))
     md += "\n".join(rows)
     if series:
-        R.line_svg(series, "SUT RSS during the soak window", "s", "MiB", BENCH_DIR / "soak-rss.svg")
+        R.line_svg(series, "SUT RSS during the soak window", "s", "MiB", _plot(a, "soak-rss.svg"))
         md += "\n\n![soak-rss.svg](soak-rss.svg)"
     _finish(a, "soak", md, verdicts, path)
 

@@ -2,7 +2,8 @@
 
     python -m bench.stream_memory [--streams 1000] [--settle 20]
 
-Starts the fast fake engine (400 ms between tokens, streams that outlast the run) and the
+Starts the native fake engine (bench/native/harness.c; `--engine fast` for the Python one;
+400 ms between tokens, streams that outlast the run) and the
 gateway, warms the gateway up with 200 short streams, then holds N/2 streams open (one every
 50 ms), waits until all are streaming, reads the gateway's
 RSS once it has settled, opens N/2 more, reads it again, and reports the difference divided by
@@ -104,8 +105,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--streams", type=int, default=1000)
     p.add_argument("--settle", type=float, default=20.0, help="s to wait before each reading")
+    p.add_argument("--engine", choices=("native", "fast"), default="native",
+                   help="native (C, default): bench/fastengine.py stalls for seconds (its own "
+                   "/health too) once hundreds of long streams are open, and the gateway then "
+                   "marks it not ready")
     a = p.parse_args()
-    eng = start_engine(0.0, 400.0, 100_000, None)
+    eng = start_engine(0.0, 400.0, 100_000, None, kind=a.engine)
     gw = start_sieproxy(eng.port, None)
     try:
         assert gw.proc is not None

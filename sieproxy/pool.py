@@ -24,6 +24,7 @@ checks do not cut that backoff short, and client errors (4xx) never count.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ import trio
 from .core.errors import InvalidRequest, ServiceUnavailable
 from .engine_client import EngineClient
 from .settings import EngineSpec, GatewaySettings
+
+log = logging.getLogger("sieproxy.pool")
 
 __all__ = ["ModelPool", "Replica", "RouteHints"]
 
@@ -156,6 +159,13 @@ class ModelPool:
             )
             r.out_until = trio.current_time() + r.backoff
             r.failures = 0
+            log.warning(
+                "replica %s of %s taken out for %.1f s after %d failed requests",
+                r.url,
+                self.model,
+                r.backoff,
+                self._g.breaker_failures,
+            )
 
     # ------------------------------------------------------------------ routing
     def _choose(
@@ -224,15 +234,25 @@ class ModelPool:
         g = self._g
         while not r.retired:
             ok = False
-            with trio.move_on_after(g.health_timeout):
+            why = "its /health did not answer 200"
+            with trio.move_on_after(g.health_timeout) as scope:
                 try:
                     ok = await client.health(r.url)
                     if ok and not r.info_loaded:
                         info = await client.server_info(r.url)
                         r.incremental = bool(info.get("incremental_streaming_output", False))
                         r.info_loaded = True
-                except Exception:
+                except Exception as exc:
                     ok = False
+                    why = f"its check failed ({type(exc).__name__})"
+            if scope.cancelled_caught:
+                ok = False
+                why = f"its check took longer than {g.health_timeout:g} s"
+            if ok != r.ready:  # transitions only: one line when a replica leaves or returns
+                if ok:
+                    log.info("replica %s of %s is ready", r.url, self.model)
+                else:
+                    log.warning("replica %s of %s is not ready: %s", r.url, self.model, why)
             # Checks decide readiness only. The request breaker (out_until) is left alone: a
             # replica whose /health passes but whose requests fail stays out for its backoff.
             if ok and not r.ready:

@@ -9,10 +9,12 @@ the same port.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import httpx
+import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -226,7 +228,9 @@ async def test_health_checks_run_without_traffic() -> None:
             assert all(gen_rids(e) == [] for e in engines)
 
 
-async def test_hanging_health_check_times_out() -> None:
+async def test_hanging_health_check_times_out(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="sieproxy.pool")
+
     def hook(s: Settings) -> None:
         s.gateway.health_timeout = 0.2
 
@@ -241,6 +245,12 @@ async def test_hanging_health_check_times_out() -> None:
             assert served_by(gw, r.headers["x-request-id"]) == [1]
             engines[0].hang_health = False
             await wait_until(lambda: up(gw, 0), timeout=3)
+            url = replica(gw, 0).url
+    # one line per transition, naming the replica and the reason
+    lines = [r.getMessage() for r in caplog.records if url in r.getMessage()]
+    out = [ln for ln in lines if "is not ready" in ln]
+    assert out == [f"replica {url} of {MODEL} is not ready: its check took longer than 0.2 s"]
+    assert lines[-1] == f"replica {url} of {MODEL} is ready"
 
 
 async def test_model_loading_503_then_ready() -> None:
@@ -289,7 +299,9 @@ async def test_every_replica_down_is_model_loading() -> None:
             assert (await chat(gw)).status_code == 200
 
 
-async def test_failing_requests_open_breaker_despite_passing_checks() -> None:
+async def test_failing_requests_open_breaker_despite_passing_checks(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A replica whose /health is fine but which fails requests is out for the backoff.
 
     Issue: "a replica that fails requests or checks is taken out and put back after a backoff".
@@ -310,6 +322,10 @@ async def test_failing_requests_open_breaker_despite_passing_checks() -> None:
                 "two failed requests in a row must open the breaker "
                 "(a passing health check in between reset the failure streak)"
             )
+            url = replica(gw, 0).url
+            assert f"replica {url} of {MODEL} taken out for 1.5 s after 2 failed requests" in [
+                r.getMessage() for r in caplog.records if r.name == "sieproxy.pool"
+            ]
             seen = len(gen_rids(engines[0]))
             await trio.sleep(0.3)  # several passing health checks, well within the backoff
             for _ in range(3):

@@ -248,17 +248,15 @@ class ModelPool:
             if scope.cancelled_caught:
                 ok = False
                 why = f"its check took longer than {g.health_timeout:g} s"
-            if ok != r.ready:  # transitions only: one line when a replica leaves or returns
-                if ok:
-                    log.info("replica %s of %s is ready", r.url, self.model)
-                else:
-                    log.warning("replica %s of %s is not ready: %s", r.url, self.model, why)
             # Checks decide readiness only. The request breaker (out_until) is left alone: a
             # replica whose /health passes but whose requests fail stays out for its backoff.
+            # One log line per transition, when a replica leaves or returns.
             if ok and not r.ready:
+                log.info("replica %s of %s is ready", r.url, self.model)
                 r.ready = True
                 self._wake()
-            elif not ok:
+            elif not ok and r.ready:
+                log.warning("replica %s of %s is not ready: %s", r.url, self.model, why)
                 r.ready = False
             await trio.sleep(
                 g.health_interval if ok or r.info_loaded else min(1.0, g.health_interval)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -137,6 +137,13 @@ async def sweep_stalls(active: set[GenerationBody], limit: float) -> None:
                     nursery.start_soon(body.abort_stalled)
 
 
+def _end_of_body(decoder: SSEDecoder, reader: GenerateReader) -> None:
+    """The engine's body ended: raise unless its stream ended properly ([DONE] or a finish)."""
+    if not reader.done:
+        decoder.close()
+        reader.eof()
+
+
 @dataclass(slots=True)
 class _Inline:
     """The read state of an inline candidate (``n`` = 1, see ``GenerationBody._inline_next``)."""
@@ -181,12 +188,11 @@ class GenerationBody(ResponseBody):
         self._on_done = on_done
         k = len(bodies)
         self._k = k
-        self._terminal = [False] * k  # the engine ended this candidate itself
         self._scopes: list[trio.CancelScope] = []
-        self._causes: list[str | None] = [None] * k
-        self._aborted = [False] * k  # an /abort_request went out for this candidate
-        # n = 1 (no best_of): the response task reads the candidate itself.
-        self._il: _Inline | None = _Inline() if k == 1 and losers is None else None
+        self._il: _Inline | None = None
+        self._reset_candidates()
+        if k == 1 and losers is None:  # n = 1 (no best_of): the response task reads it itself
+            self._il = _Inline()
         self._recv: trio.MemoryReceiveChannel[Event] | None = None
         self._nursery_cm: Any = None
         self._nursery: trio.Nursery | None = None
@@ -244,12 +250,19 @@ class GenerationBody(ResponseBody):
         send, recv = trio.open_memory_channel[Event](self._g.channel_size)
         self._recv = recv
         self._scopes = [trio.CancelScope(deadline=self._deadline) for _ in range(self._k)]
-        self._terminal = [False] * self._k
-        self._causes = [None] * self._k
-        self._aborted = [False] * self._k
+        self._reset_candidates()
         with send:
-            for i, body in enumerate(self._bodies):
-                self._nursery.start_soon(self._candidate, i, body, send.clone())
+            for i in range(self._k):
+                self._nursery.start_soon(self._candidate, i, send.clone())
+
+    def _reset_candidates(self) -> None:
+        """Fresh per-candidate state (at start, and for a retry on another replica)."""
+        k = self._k
+        self._terminal = [False] * k  # the engine ended this candidate itself
+        self._causes: list[str | None] = [None] * k
+        self._aborted = [False] * k  # an /abort_request went out for this candidate
+        if self._il is not None:
+            self._il = _Inline()
 
     # ------------------------------------------------------------------ candidates
     # One lifecycle, two drivers: a task per candidate feeding the channel (``n`` > 1), or the
@@ -293,7 +306,7 @@ class GenerationBody(ResponseBody):
             return out, err
         return out, None
 
-    async def _abort(self, i: int, replica: Replica, err: GatewayError | None) -> None:
+    async def _abort(self, i: int, err: GatewayError | None) -> None:
         """``/abort_request`` for a candidate the engine may still be generating."""
         if self._aborted[i] or self._terminal[i]:
             return
@@ -303,14 +316,15 @@ class GenerationBody(ResponseBody):
         rid: str = self._bodies[i]["rid"]
         with trio.move_on_after(self._g.abort_timeout, shield=True):
             try:
-                await self._client.abort(replica.url, rid)
+                await self._client.abort(self.replica.url, rid)
             except GatewayError:
-                log.warning("abort of %s on %s failed", rid, replica.url)
+                log.warning("abort of %s on %s failed", rid, self.replica.url)
 
     def _settle(
-        self, i: int, replica: Replica, reader: GenerateReader, err: GatewayError | None
+        self, i: int, reader: GenerateReader, err: GatewayError | None
     ) -> CandidateFinish | GatewayError | None:
-        """What the shaper must still see of an ended candidate (and the replica's record)."""
+        """What the shaper must still see of an ended candidate (and the replica's record;
+        ``self.replica`` is the candidate's: a retry switches only after they all ended)."""
         cause = self._causes[i]
         if cause in ("stop", "best_of"):
             # The gateway ended this candidate; the shaper still needs its finish, unless the
@@ -322,17 +336,15 @@ class GenerationBody(ResponseBody):
             # client read again, the stream ends with an error event, not a silent cut.
             return ClientStalled()
         if err is None:
-            self._pool.record_success(replica)
+            self._pool.record_success(self.replica)
             return None
         if isinstance(err, UpstreamError) and err.status >= 500:
-            self._pool.record_failure(replica)
+            self._pool.record_failure(self.replica)
         if cause in ("client", "done", "retry", "error"):
             return None
         return err
 
-    async def _candidate(
-        self, i: int, body: dict[str, Any], send: trio.MemorySendChannel[Event]
-    ) -> None:
+    async def _candidate(self, i: int, send: trio.MemorySendChannel[Event]) -> None:
         """Stream one candidate from the engine into the channel (theory: module docstring)."""
         replica = self.replica
         scope = self._scopes[i]
@@ -360,8 +372,8 @@ class GenerationBody(ResponseBody):
             finally:
                 # Runs on every exit, including the client leaving (an outer cancellation).
                 if opened:
-                    await self._abort(i, replica, err)
-            last = self._settle(i, replica, reader, err)
+                    await self._abort(i, err)
+            last = self._settle(i, reader, err)
             if last is not None:
                 await send.send((i, last))
 
@@ -398,9 +410,7 @@ class GenerationBody(ResponseBody):
             if reader.done:
                 return  # the engine finished but kept the body open: fine, drop the connection
             raise trio.TooSlowError
-        if not reader.done:
-            decoder.close()
-            reader.eof()
+        _end_of_body(decoder, reader)
 
     # ------------------------------------------------------------------ n = 1, inline
     async def _inline_next(self) -> list[Event]:
@@ -438,9 +448,7 @@ class GenerationBody(ResponseBody):
                         return await self._inline_end(self._deadline_error(0))
                     return await self._inline_end(self._gap_error(0))
                 if not raw:
-                    if not reader.done:
-                        decoder.close()
-                        reader.eof()
+                    _end_of_body(decoder, reader)
                     return await self._inline_end(None)
                 il.last = trio.current_time()
                 if reader.done:
@@ -464,7 +472,7 @@ class GenerationBody(ResponseBody):
         assert il is not None
         await self._inline_close(err)
         reader = il.reader or GenerateReader()
-        last = self._settle(0, self.replica, reader, err)
+        last = self._settle(0, reader, err)
         return [] if last is None else [(0, last)]
 
     async def _inline_close(self, err: GatewayError | None = None) -> None:
@@ -473,7 +481,7 @@ class GenerationBody(ResponseBody):
             return
         il.ended = True
         if il.opened:
-            await self._abort(0, self.replica, err)
+            await self._abort(0, err)
         cm, il.cm, il.resp = il.cm, None, None
         if cm is not None:
             with trio.CancelScope(shield=True):
@@ -510,7 +518,7 @@ class GenerationBody(ResponseBody):
         il = self._il
         if il is not None and il.resp is not None:
             il.resp.close()
-        await self._abort(0, self.replica, None)
+        await self._abort(0, None)
 
     # ------------------------------------------------------------------ merging
     def _handle(self, ev: Event) -> bytes:
@@ -534,48 +542,44 @@ class GenerationBody(ResponseBody):
         return out
 
     async def _next_frames(self) -> bytes | None:
-        """One merged write: the next event plus everything already buffered (None at end)."""
-        if self._il is not None:
-            return await self._inline_frames()
-        assert self._recv is not None
-        if self._deferred is not None:
+        """One merged write: the next events that arrived together (None at the end)."""
+        if self._deferred is not None:  # an error drained behind frames: raised now
             ev, self._deferred = self._deferred, None
-        else:
-            try:
-                ev = await _take(self._recv)
-            except trio.EndOfChannel:
+            return self._handle(ev)
+        if self._il is not None:  # the events of one upstream read
+            events = await self._inline_next()
+            if not events:
                 return None
-        out = self._handle(ev)
+            out = self._merge(events)
+            if self._causes[0] == "stop":  # the gateway matched a stop string: end it now
+                out += self._merge(await self._inline_next())
+            return out
+        assert self._recv is not None
+        try:
+            first = await _take(self._recv)
+        except trio.EndOfChannel:
+            return None
+        return self._merge(self._buffered(first))
+
+    def _buffered(self, first: Event) -> Iterator[Event]:
+        """``first``, then every event already in the channel (taken only as consumed)."""
+        assert self._recv is not None
+        yield first
         while True:
             try:
-                ev = self._recv.receive_nowait()
+                yield self._recv.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel):
-                break
-            if isinstance(ev[1], GatewayError):
-                # An error ends the response: first write what came before it.
+                return
+
+    def _merge(self, events: Iterable[Event]) -> bytes:
+        """The frames of events that arrived together. An error ends the response: one that
+        follows other events is kept for the next write, so what came before it goes first."""
+        out = b""
+        for k, ev in enumerate(events):
+            if k and isinstance(ev[1], GatewayError):
                 self._deferred = ev
                 break
             out += self._handle(ev)
-        return out
-
-    async def _inline_frames(self) -> bytes | None:
-        """``_next_frames`` for an inline candidate: the events of one upstream read."""
-        if self._deferred is not None:
-            ev, self._deferred = self._deferred, None
-            return self._handle(ev)
-        events = await self._inline_next()
-        if not events:
-            return None
-        out = self._handle(events[0])
-        for k in range(1, len(events)):
-            ev = events[k]
-            if isinstance(ev[1], GatewayError):
-                self._deferred = ev  # an error ends the response: first write what came before
-                break
-            out += self._handle(ev)
-        if self._causes[0] == "stop":  # the gateway matched a stop string: end it now
-            for ev in await self._inline_next():
-                out += self._handle(ev)
         return out
 
     async def prime(self) -> bytes:
@@ -623,10 +627,7 @@ class GenerationBody(ResponseBody):
         if self._il is not None:
             await self._inline_close()
             self._switch_to(other)
-            self._il = _Inline()
-            self._terminal = [False]
-            self._causes = [None]
-            self._aborted = [False]
+            self._reset_candidates()
             return
         assert self._recv is not None
         with self._recv:

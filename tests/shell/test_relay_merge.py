@@ -137,7 +137,7 @@ async def test_a_cancel_after_the_engine_finished_sends_one_finish(cause: str) -
     body._terminal = [False]
     body._causes = [None]
     send, recv = trio.open_memory_channel(8)  # type: ignore[var-annotated]
-    await body._candidate(0, {"rid": "x-0"}, send)
+    await body._candidate(0, send)
     events = []
     async with recv:
         async for ev in recv:

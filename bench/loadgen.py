@@ -467,7 +467,7 @@ class Runner:
         st = self.stats
         wall = out.get("wall", duration) or duration
         res: dict[str, Any] = {
-            "config": {k: v for k, v in self.cfg.items() if k not in ("sut_pids", "engine_pids")},
+            "config": public_config(self.cfg),
             "window_s": wall,
             "chunks": st.window_chunks,
             "content_chunks": st.window_content,
@@ -490,14 +490,26 @@ class Runner:
             "gap_samples": sample(st.gaps, 4000, self.rng),
             "all_first_samples": sample(st.all_first, 2000, self.rng),
         }
-        res.update(out)
-        if out.get("sut_pids") and st.window_chunks:
-            res["sut_cpu_us_per_chunk"] = out["sut_cpu"] / st.window_chunks * 1e6
-            res["sut_cpu_ticks_us_per_chunk"] = out["sut_cpu_ticks"] / st.window_chunks * 1e6
-        if st.window_chunks:
-            res["engine_cpu_us_per_chunk"] = out.get("engine_cpu", 0.0) / st.window_chunks * 1e6
-            res["loadgen_cpu_us_per_chunk"] = out.get("loadgen_cpu", 0.0) / st.window_chunks * 1e6
-        return res
+        return with_window(res, out)
+
+
+def public_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` without the process ids that only the orchestrator uses (as a result records it)."""
+    return {k: v for k, v in cfg.items() if k not in ("sut_pids", "engine_pids")}
+
+
+def with_window(res: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """A summary's counts ``res`` with the window's process figures ``out`` and the CPU per
+    chunk, as both load generators report them."""
+    chunks = res["chunks"]
+    res.update(out)
+    if out.get("sut_pids") and chunks:
+        res["sut_cpu_us_per_chunk"] = out["sut_cpu"] / chunks * 1e6
+        res["sut_cpu_ticks_us_per_chunk"] = out["sut_cpu_ticks"] / chunks * 1e6
+    if chunks:
+        res["engine_cpu_us_per_chunk"] = out.get("engine_cpu", 0.0) / chunks * 1e6
+        res["loadgen_cpu_us_per_chunk"] = out.get("loadgen_cpu", 0.0) / chunks * 1e6
+    return res
 
 
 def window_fields(

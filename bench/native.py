@@ -18,15 +18,15 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench import targets as T
-from bench.loadgen import window_fields
+from bench.loadgen import public_config, window_fields, with_window
 from bench.procstat import sample_tree, tree_rss
 
 if TYPE_CHECKING:
@@ -136,8 +136,8 @@ def run_native_loadgen(cfg: dict[str, Any], layout: Layout, label: str) -> dict[
     start = time.monotonic() + START_DELAY
     ws = start + warmup
     we = ws + duration
-    ccfg = {k: v for k, v in cfg.items() if k not in ("sut_pids", "engine_pids")}
-    ccfg.update(start=start, window_start=ws, window_end=we, linger=0.3)
+    ccfg = {**public_config(cfg), "start": start, "window_start": ws, "window_end": we,
+            "linger": 0.3}
     argv = [*T.taskset(layout.harness), str(exe), "load", json.dumps(ccfg)]
     PROGRESS.phase(label)
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -145,16 +145,11 @@ def run_native_loadgen(cfg: dict[str, Any], layout: Layout, label: str) -> dict[
     assert p.stdout is not None and p.stderr is not None
     stdout_parts: list[str] = []
     err_lines: list[str] = []
-
-    def read_out() -> None:
-        assert p.stdout is not None
-        stdout_parts.append(p.stdout.read())
-
-    def read_err() -> None:
-        assert p.stderr is not None
-        read_progress(p.stderr, err_lines)
-
-    readers = [threading.Thread(target=f, daemon=True) for f in (read_out, read_err)]
+    readers = [
+        threading.Thread(target=lambda s: stdout_parts.append(s.read()), args=(p.stdout,),
+                         daemon=True),
+        threading.Thread(target=read_progress, args=(p.stderr, err_lines), daemon=True),
+    ]
     for t in readers:
         t.start()
     out: dict[str, Any] = {}
@@ -242,7 +237,7 @@ def summarize(cfg: dict[str, Any], raw: dict[str, Any], out: dict[str, Any]) -> 
     window = float(raw["window_s"]) or float(cfg["duration"])
     chunks = int(raw["chunks"])
     res: dict[str, Any] = {
-        "config": {k: v for k, v in cfg.items() if k not in ("sut_pids", "engine_pids")},
+        "config": public_config(cfg),
         "loadgen": "native",
         "window_s": window,
         "chunks": chunks,
@@ -266,32 +261,10 @@ def summarize(cfg: dict[str, Any], raw: dict[str, Any], out: dict[str, Any]) -> 
         "gap_samples": raw["gap_samples"],
         "all_first_samples": raw["all_first_samples"],
     }
-    res.update(out)
-    if out.get("sut_pids") and chunks:
-        res["sut_cpu_us_per_chunk"] = out["sut_cpu"] / chunks * 1e6
-        res["sut_cpu_ticks_us_per_chunk"] = out["sut_cpu_ticks"] / chunks * 1e6
-    if chunks:
-        res["engine_cpu_us_per_chunk"] = out.get("engine_cpu", 0.0) / chunks * 1e6
-        res["loadgen_cpu_us_per_chunk"] = out.get("loadgen_cpu", 0.0) / chunks * 1e6
-    return res
+    return with_window(res, out)
 
 
 # ---- the machine's own ceiling ----------------------------------------------------------------
-
-
-def spin(seconds: float, copies: int) -> float:
-    """Run ``copies`` CPU-bound C loops at once for ``seconds``; their summed iterations/s."""
-    exe = str(binary())
-    procs = [subprocess.Popen([exe, "spin", str(seconds)], stdout=subprocess.PIPE, text=True)
-             for _ in range(copies)]
-    total = 0.0
-    for p in procs:
-        o, _ = p.communicate(timeout=seconds + 30)
-        if p.returncode != 0:
-            raise RuntimeError(f"harness spin exited with {p.returncode}")
-        d = json.loads(o)
-        total += d["iterations"] / d["seconds"]
-    return total
 
 
 PY_SPIN = """
@@ -309,21 +282,25 @@ print(n / float(sys.argv[1]))
 """
 
 
-def py_spin(seconds: float, copies: int, python: str) -> float:
-    """Like ``spin`` with a small CPU-bound Python loop (the gateway's own interpreter)."""
-    procs = [subprocess.Popen([python, "-c", PY_SPIN, str(seconds)], stdout=subprocess.PIPE,
-                              text=True) for _ in range(copies)]
+def _native_rate(out: str) -> float:
+    d = json.loads(out)
+    return float(d["iterations"] / d["seconds"])
+
+
+def spin(argv: list[str], copies: int, seconds: float, rate: Callable[[str], float]) -> float:
+    """Run ``copies`` of the CPU-bound loop ``argv`` at once; their summed work per second
+    (``rate`` of each one's output)."""
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(copies)]
     total = 0.0
     for p in procs:
         o, _ = p.communicate(timeout=seconds + 30)
         if p.returncode != 0:
-            raise RuntimeError(f"python spin exited with {p.returncode}")
-        total += float(o)
+            raise RuntimeError(f"{Path(argv[0]).name} spin exited with {p.returncode}")
+        total += rate(o)
     return total
 
 
-def machine_ceiling(seconds: float, kind: str = "python",
-                    python: str | None = None) -> dict[str, Any]:
+def machine_ceiling(seconds: float, kind: str = "python") -> dict[str, Any]:
     """The machine's own scaling: a CPU-bound process alone vs two at once.
 
     Runs one, two, one, two, one (``seconds`` each), so that a drift of the machine's speed
@@ -331,16 +308,15 @@ def machine_ceiling(seconds: float, kind: str = "python",
     the single runs), ``two`` (mean of the pairs' sums), ``ratio`` = two ÷ one (2.0 on a machine
     whose two CPUs are two full cores) and the individual runs.
     """
-
-    def run(copies: int) -> float:
-        if kind == "native":
-            return spin(seconds, copies)
-        return py_spin(seconds, copies, python or sys.executable)
-
+    rate: Callable[[str], float]
+    if kind == "native":
+        argv, rate = [str(binary()), "spin", str(seconds)], _native_rate
+    else:  # a small CPU-bound Python loop (the gateway's own interpreter)
+        argv, rate = [T.PY, "-c", PY_SPIN, str(seconds)], float
     ones: list[float] = []
     twos: list[float] = []
     for k in range(5):
-        (twos if k % 2 else ones).append(run(2 if k % 2 else 1))
+        (twos if k % 2 else ones).append(spin(argv, 2 if k % 2 else 1, seconds, rate))
     one = sum(ones) / len(ones)
     two = sum(twos) / len(twos)
     return {"one": one, "two": two, "ratio": two / one if one else 0.0,

@@ -85,12 +85,12 @@ async def _run(port: int, pid: int, n: int, settle: float) -> dict[str, float]:
     stop = trio.Event()
     opened = [0]
     async with trio.open_nursery() as nursery:
-        for half in ("half", "full"):
+        for k, half in enumerate(("half", "full"), 1):
             for _ in range(n // 2):
                 nursery.start_soon(_hold, port, opened, stop)
                 await trio.sleep(_RAMP)
             with trio.move_on_after(120):
-                while opened[0] < (n // 2 if half == "half" else n // 2 * 2):
+                while opened[0] < k * (n // 2):
                     await trio.sleep(0.2)
             await trio.sleep(settle)
             out[f"{half}_open"] = opened[0]

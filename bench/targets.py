@@ -123,8 +123,8 @@ def spawn(name: str, argv: list[str], port: int, env: dict[str, str] | None = No
 # ---- the engine -----------------------------------------------------------------------------
 
 
-#: Engine kinds: a Python module run with ``-m``, or ``native`` (bench/native/harness.c).
-ENGINES = {"fast": "bench.fastengine", "fake": "bench.engine_proc", "native": "native"}
+#: The Python engines, run with ``-m``; the kind ``native`` is bench/native/harness.c.
+ENGINES = {"fast": "bench.fastengine", "fake": "bench.engine_proc"}
 
 
 def start_engine(ttft_ms: float, itl_ms: float, tokens: int, cpus: str | None,

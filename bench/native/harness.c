@@ -1798,7 +1798,7 @@ static int sse_feed(client_t *c, const char *p, size_t n, int64_t now)
         s = p;
         e = p + n;
     } else {
-        from = c->sse.len > 0 ? c->sse.len - 1 : 0;
+        from = c->sse.len - 1; /* a "\n\n" may straddle the old and the new bytes */
         buf_add(&c->sse, p, n);
         s = c->sse.p;
         e = s + c->sse.len;
@@ -1988,10 +1988,7 @@ static int on_head(client_t *c, int64_t now)
 
 static void finish_body(client_t *c, int64_t now)
 {
-    if (!c->done)
-        end_request(c, "stream ended without [DONE]", 0, now);
-    else
-        end_request(c, NULL, 0, now);
+    end_request(c, c->done ? NULL : "stream ended without [DONE]", 0, now);
 }
 
 static void handle_result(client_t *c, int r, int64_t now)

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
+import torch.nn.functional as F
 
 __all__ = ["SMALL_ROWS", "Kernels", "load_kernels", "pack_weight"]
 
@@ -456,33 +456,26 @@ def load_kernels() -> Kernels | None:
         if os.environ.get("SIEPROXY_ENGINE_KERNELS", "1").strip().lower() in {"0", "false", "no"}:
             log.info("CPU engine kernels disabled by SIEPROXY_ENGINE_KERNELS")
             return None
+        # Only x86-64 reports these (AVX512 machines have AVX2 and FMA too).
         capability = torch.backends.cpu.get_cpu_capability()
-        if platform.machine().lower() not in {"x86_64", "amd64"} or capability not in {
-            "AVX2",
-            "AVX512",
-        }:
+        if capability not in {"AVX2", "AVX512"}:
             log.info("CPU engine kernels need x86-64 AVX2 (have %s)", capability)
             return None
+        names = [field.name for field in fields(Kernels)]
         try:
             from torch.utils.cpp_extension import load_inline
 
             module = load_inline(  # type: ignore[no-untyped-call]
                 name="sieproxy_cpu_kernels",
                 cpp_sources=_SOURCE,
-                functions=["small_gemm", "decode_attention", "rms_norm", "silu_mul", "store_kv"],
+                functions=names,
                 extra_cflags=["-O3", "-mavx2", "-mfma"],
                 verbose=False,
             )
         except Exception as exc:  # no compiler, no ninja, headers missing, ...
             log.warning("CPU engine kernels unavailable, using torch ops: %s", exc)
             return None
-        _kernels = Kernels(
-            module.small_gemm,
-            module.decode_attention,
-            module.rms_norm,
-            module.silu_mul,
-            module.store_kv,
-        )
+        _kernels = Kernels(**{name: getattr(module, name) for name in names})
         return _kernels
 
 
@@ -493,8 +486,5 @@ def pack_weight(weight_t: torch.Tensor) -> torch.Tensor:
     """
     k, n = weight_t.shape
     blocks = -(-n // _BLOCK)
-    padded = weight_t.float()
-    if blocks * _BLOCK != n:
-        padded = torch.zeros(k, blocks * _BLOCK)
-        padded[:, :n] = weight_t
+    padded = F.pad(weight_t.float(), (0, blocks * _BLOCK - n))
     return padded.reshape(k, blocks, _BLOCK).permute(1, 0, 2).contiguous()

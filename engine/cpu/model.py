@@ -164,6 +164,12 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+def _silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: ``silu(gu[:, :I]) * gu[:, I:]`` for ``gu`` ``[N, 2 * I]``."""
+    inter = gu.shape[1] // 2
+    return F.silu(gu[:, :inter]) * gu[:, inter:]
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Apply rotary embedding; ``x`` is ``[N, heads, D]``, ``cos``/``sin`` ``[N, 1, D]``."""
     half = x.shape[-1] // 2
@@ -172,8 +178,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class _Layer:
-    """One decoder layer's weights, ``[in, out]`` (``x @ W`` form), plus optional packed copies
-    for the small-batch kernel (:mod:`engine.cpu.kernels`)."""
+    """One decoder layer's weights, ``[in, out]`` (``x @ W`` form), plus packed copies for the
+    small-batch kernel (:mod:`engine.cpu.kernels`; empty until :meth:`pack`)."""
 
     __slots__ = (
         "down",
@@ -201,10 +207,7 @@ class _Layer:
     ) -> None:
         self.qkv, self.qkv_bias, self.o = qkv, qkv_bias, o
         self.gate_up, self.down, self.ln1, self.ln2 = gate_up, down, ln1, ln2
-        self.qkv_p: torch.Tensor | None = None
-        self.o_p: torch.Tensor | None = None
-        self.gate_up_p: torch.Tensor | None = None
-        self.down_p: torch.Tensor | None = None
+        self.qkv_p = self.o_p = self.gate_up_p = self.down_p = torch.empty(0)
 
     def pack(self) -> None:
         """Make the packed copies the small-batch kernel reads."""
@@ -222,8 +225,6 @@ class TransformerModel:
         config: ModelConfig,
         weights: dict[str, torch.Tensor],
         raw: dict[str, Any],
-        *,
-        use_kernels: bool = True,
     ):
         self.config = config
         c = config
@@ -262,16 +263,21 @@ class TransformerModel:
         # Decode steps (few rows) use the small-batch kernel on packed weights; prefill chunks
         # use MKL on the plain ones. Both copies of the layer weights are kept; the LM head
         # only ever sees few rows, so with the kernel its plain transposed copy is not needed.
-        self._kernels = load_kernels() if use_kernels else None
-        self._gemm = self._kernels.small_gemm if self._kernels is not None else None
-        self.lm_head_packed: torch.Tensor | None = None
-        self.lm_head_t = torch.empty(0)
-        if self._gemm is not None:
+        kern = self._kernels = load_kernels()
+        self.lm_head_packed = self.lm_head_t = torch.empty(0)
+        if kern is not None:
             for layer in self.layers:
                 layer.pack()
             self.lm_head_packed = pack_weight(self.lm_head.t())
         else:
             self.lm_head_t = self.lm_head.t().contiguous()
+        # Kernels that only take some shapes, chosen once here; None/torch where they do not.
+        self._decode_attention = (
+            kern.decode_attention if kern is not None and c.head_dim % 64 == 0 else None
+        )
+        self._small_silu_mul = (
+            kern.silu_mul if kern is not None and c.intermediate_size % 8 == 0 else _silu_mul
+        )
         self.inv_freq, self.rope_scale = _rope_parameters(raw)
         self.scale = c.head_dim**-0.5
         self._cos_cache = torch.empty(0)
@@ -340,12 +346,12 @@ class TransformerModel:
         dec_len = 0
         heads, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
         # The attention kernel reads each slot's own length from the pool: no padding, no mask.
-        attn_kernel = self._kernels.decode_attention if self._kernels and d % 64 == 0 else None
+        attn_kernel = self._decode_attention
         dec_lengths = dec_pos_t + 1
         if decode_rows and attn_kernel is None:
             # Longest cache among decode slots; mask positions beyond each slot's own length.
             lengths = torch.zeros(span, dtype=torch.long)
-            lengths[dec_slots_t] = dec_pos_t + 1
+            lengths[dec_slots_t] = dec_lengths
             dec_len = int(lengths.max())
             dec_mask = torch.zeros(span, 1, 1, dec_len)
             dec_mask.masked_fill_(
@@ -357,33 +363,22 @@ class TransformerModel:
         # Only decode rows: the decode attention output is the whole attention tensor.
         whole = not prefill and (dense or attn_kernel is not None)
         group = heads // kvh
-        small = n_tok <= SMALL_ROWS
-        gemm = self._gemm if small else None
         kern = self._kernels
+        # Steps of few rows use the small-batch kernels; the others torch/MKL.
+        small = kern if n_tok <= SMALL_ROWS else None
+        norm = small.rms_norm if small is not None else _rms_norm
+        swiglu = self._small_silu_mul if small is not None else _silu_mul
         eps = c.rms_norm_eps
-        inter = c.intermediate_size
 
-        def norm(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            if kern is not None and small:
-                return kern.rms_norm(a, weight, eps)
-            return _rms_norm(a, weight, eps)
-
-        def swiglu(gu: torch.Tensor) -> torch.Tensor:
-            if kern is not None and small and inter % 8 == 0:
-                return kern.silu_mul(gu)
-            return F.silu(gu[:, :inter]) * gu[:, inter:]
-
-        def linear(
-            a: torch.Tensor, plain: torch.Tensor, packed: torch.Tensor | None
-        ) -> torch.Tensor:
-            if gemm is not None and packed is not None:
-                out = gemm(a, packed)
-                n = plain.shape[1]
-                return out if out.shape[1] == n else out[:, :n]
-            return a @ plain
+        def linear(a: torch.Tensor, plain: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+            if small is None:
+                return a @ plain
+            out = small.small_gemm(a, packed)
+            n = plain.shape[1]
+            return out if out.shape[1] == n else out[:, :n]
 
         for li, layer in enumerate(self.layers):
-            h = norm(x, layer.ln1)
+            h = norm(x, layer.ln1, eps)
             qkv = linear(h, layer.qkv, layer.qkv_p)
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
@@ -441,7 +436,7 @@ class TransformerModel:
             if lora is not None:
                 lora.apply(li, "o_proj", flat, o_out)
             x = x + o_out
-            h = norm(x, layer.ln2)
+            h = norm(x, layer.ln2, eps)
             gu = linear(h, layer.gate_up, layer.gate_up_p)
             if lora is not None:
                 lora.apply_gate_up(li, h, gu, c.intermediate_size)
@@ -451,7 +446,7 @@ class TransformerModel:
                 lora.apply(li, "down_proj", act, down)
             x = x + down
         last = x[torch.tensor(logit_rows, dtype=torch.long)]
-        last = norm(last, self.norm)
+        last = norm(last, self.norm, eps)
         return self._logits(last)
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
@@ -463,8 +458,8 @@ class TransformerModel:
         in that orientation, and ``W @ x^T`` (the big matrix as the left operand) is 1.3–2.5×
         faster (measured on 2-core AMD EPYC, 4–32 rows).
         """
-        if self._gemm is not None and self.lm_head_packed is not None:
-            return self._gemm(last, self.lm_head_packed)[:, : self.config.vocab_size]
+        if self._kernels is not None:
+            return self._kernels.small_gemm(last, self.lm_head_packed)[:, : self.config.vocab_size]
         if last.shape[0] <= 2:
             return last @ self.lm_head_t
         return torch.mm(self.lm_head, last.t()).t().contiguous()

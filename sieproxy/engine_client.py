@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import select
 import ssl
 from collections import deque
@@ -75,6 +76,47 @@ class _Conn:
     stream: trio.abc.Stream
     sock: trio.socket.SocketType
     idle_since: float = 0.0
+    #: Plain TCP: reads and writes go to the socket's file descriptor directly and wait for
+    #: readiness only when they would block (an await that blocks is still a checkpoint; one
+    #: that need not, is not). Trio's stream layers add a scheduler round trip to every call
+    #: that succeeds at once, and per-call wrappers (docs/DESIGN.md). TLS uses ``stream``.
+    plain: bool = False
+    tls_read: bytes | None = None  # TLS: what ``wait_readable`` read
+
+    async def send_all(self, data: bytes) -> None:
+        if not self.plain:
+            await self.stream.send_all(data)
+            return
+        view = memoryview(data)
+        while view:
+            try:
+                # fileno() is -1 once closed (never a reused descriptor): that raises EBADF.
+                view = view[os.write(self.sock.fileno(), view) :]
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(self.sock)
+
+    async def receive(self) -> bytes:
+        """The next bytes from the engine, ``b""`` at its end of stream."""
+        while (data := self.receive_nowait()) is None:
+            await self.wait_readable()
+        return data
+
+    def receive_nowait(self) -> bytes | None:
+        """The bytes already there (``b""`` at the end of stream), ``None`` if none."""
+        if not self.plain:
+            data, self.tls_read = self.tls_read, None
+            return data
+        try:
+            return os.read(self.sock.fileno(), _RECV)
+        except BlockingIOError:
+            return None
+
+    async def wait_readable(self) -> None:
+        """Until ``receive_nowait()`` has something (TLS: this reads it)."""
+        if self.plain:
+            await trio.lowlevel.wait_readable(self.sock)
+        else:
+            self.tls_read = bytes(await self.stream.receive_some(_RECV))
 
     def close(self) -> None:
         """Close now, synchronously (safe inside a cancelled scope; wakes any waiter)."""
@@ -121,15 +163,29 @@ class UpstreamResponse:
         self._conn.close()
 
     async def receive(self) -> bytes:
+        """Body bytes, ``b""`` at the end of the body."""
+        while (out := self.receive_nowait()) is None:
+            await self.wait_readable()
+        return out
+
+    async def wait_readable(self) -> None:
+        """Until ``receive_nowait()`` may have something."""
+        try:
+            await self._conn.wait_readable()
+        except _BROKEN as exc:
+            raise _truncated(exc, "The connection to the engine broke mid-response.") from exc
+
+    def receive_nowait(self) -> bytes | None:
+        """``receive()`` if it would not block, else ``None`` (nothing ready yet)."""
         if self._pending:
             out, self._pending = self._pending, b""
             return out
         parser = self._parser
         try:
             while not parser.done:
-                data = await self._conn.stream.receive_some(_RECV)
-                if type(data) is not bytes:  # SSLStream returns a bytearray
-                    data = bytes(data)
+                data = self._conn.receive_nowait()
+                if data is None:
+                    return None
                 if not data:
                     parser.eof()
                     return b""
@@ -254,7 +310,7 @@ class EngineClient:
                     tcp.socket.close()
                     raise EngineUnreachable() from exc
                 stream = tls
-            return _Conn(stream, tcp.socket)
+            return _Conn(stream, tcp.socket, plain=not o.tls)
         assert scope.cancelled_caught
         raise EngineUnreachable("The engine did not accept a connection in time; retry shortly.")
 
@@ -278,55 +334,70 @@ class EngineClient:
 
     @contextlib.asynccontextmanager
     async def _post(
-        self, base: str, path: str, payload: dict[str, Any], head_timeout: float = math.inf
+        self,
+        base: str,
+        path: str,
+        payload: dict[str, Any],
+        head_timeout: float = math.inf,
+        ok_only: bool = False,
     ) -> AsyncIterator[UpstreamResponse]:
         """POST JSON and yield the response once its head arrived (within ``head_timeout``,
-        else ``trio.TooSlowError``); the connection goes back to the pool only if the response
+        else ``trio.TooSlowError``); with ``ok_only`` a non-200 is drained and raised as
+        ``EngineHTTPError`` instead. The connection goes back to the pool only if the response
         was read to its end."""
         o = self._origin(base)
         body = _encode(payload)
         data = request_head("POST", o.prefix + path, o.authority, len(body)) + body
         deadline = trio.current_time() + head_timeout  # checkout, request and head together
-        with trio.fail_at(deadline):
-            c = await self._checkout(o)
+        c: _Conn | None = None
         resp: UpstreamResponse | None = None
+        # One cancel scope for the three stages (each costs a deadline-heap update): the
+        # checkout and the head wait end at ``deadline``; sending the request also ends within
+        # ``connect_timeout`` of its start (an engine that does not read its socket).
+        send_by = math.inf
         try:
-            with trio.fail_at(deadline):
+            with trio.CancelScope(deadline=deadline) as scope:
+                c = await self._checkout(o)
+                send_by = trio.current_time() + self._g.connect_timeout
+                if send_by < deadline:
+                    scope.deadline = send_by
                 try:
-                    with trio.move_on_after(self._g.connect_timeout) as scope:
-                        await c.stream.send_all(data)
-                    if scope.cancelled_caught:
-                        raise EngineUnreachable("The engine did not take the request in time.")
+                    await c.send_all(data)
+                    send_by = math.inf
+                    scope.deadline = deadline
                     parser = ResponseParser()
                     rest = b""
                     while parser.status is None:
-                        got = bytes(await c.stream.receive_some(_RECV))
+                        got = await c.receive()
                         if not got:
                             parser.eof()
                         rest = parser.feed(got)
                 except (FramingError, *_BROKEN) as exc:
                     msg = "The connection to the engine broke before the response."
                     raise _truncated(exc, msg) from exc
-            resp = UpstreamResponse(c, parser, rest)
-            yield resp
-        finally:
-            self._checkin(o, c, resp is not None and resp.reusable)
-
-    # ------------------------------------------------------------------ generation path
-    @contextlib.asynccontextmanager
-    async def stream_generate(
-        self, base: str, body: dict[str, Any], *, head_timeout: float | None = None
-    ) -> AsyncIterator[UpstreamResponse]:
-        """POST ``/generate`` with ``stream: true``; yields the response of a 200 (raw body
-        bytes from ``receive()``). A non-200 raises ``EngineHTTPError`` (its text is not
-        echoed); ``head_timeout`` bounds the wait for the response head (``trio.TooSlowError``)."""
-        timeout = head_timeout if head_timeout is not None else math.inf
-        async with self._post(base, "/generate", body, timeout) as resp:
-            if resp.status != 200:
+                resp = UpstreamResponse(c, parser, rest)
+            if resp is None:  # this scope's deadline fired
+                if send_by < deadline:
+                    raise EngineUnreachable("The engine did not take the request in time.")
+                raise trio.TooSlowError
+            if ok_only and resp.status != 200:
                 with contextlib.suppress(GatewayError):
                     await resp.read_all(_DRAIN_LIMIT)
                 raise _status_error(resp.status)
             yield resp
+        finally:
+            if c is not None:
+                self._checkin(o, c, resp is not None and resp.reusable)
+
+    # ------------------------------------------------------------------ generation path
+    def stream_generate(
+        self, base: str, body: dict[str, Any], *, head_timeout: float | None = None
+    ) -> contextlib.AbstractAsyncContextManager[UpstreamResponse]:
+        """POST ``/generate`` with ``stream: true``; yields the response of a 200 (raw body
+        bytes from ``receive()``). A non-200 raises ``EngineHTTPError`` (its text is not
+        echoed); ``head_timeout`` bounds the wait for the response head (``trio.TooSlowError``)."""
+        timeout = head_timeout if head_timeout is not None else math.inf
+        return self._post(base, "/generate", body, timeout, ok_only=True)
 
     async def abort(self, base: str, rid: str) -> None:
         """POST ``/abort_request`` for exactly ``rid`` (SGLang ignores prefixes)."""

@@ -41,6 +41,7 @@ class RawServer:
     port: int = 0
     connections: int = 0
     heads: list[bytes] = field(default_factory=list)
+    body_sizes: list[int] = field(default_factory=list)
 
     async def _serve(self, stream: Any) -> None:
         self.connections += 1
@@ -61,6 +62,7 @@ class RawServer:
                             length = int(value)
                     while len(buf) < length:
                         buf += await stream.receive_some(65536)
+                    self.body_sizes.append(len(buf[:length]))
                     buf = buf[length:]
                     self.heads.append(head)
                     if not await self.handler(stream, head):
@@ -317,3 +319,96 @@ async def test_https_engine_with_an_untrusted_certificate_is_unreachable(ca: tru
             await read_stream(c, f"https://127.0.0.1:{srv.port}")
         assert srv.heads == []  # nothing was sent over the unverified connection
         await c.aclose()
+
+
+# ---- plain TCP reads and writes go to the descriptor directly (engine_client._Conn) ----------
+
+
+async def test_a_request_larger_than_the_socket_buffers_is_sent_whole() -> None:
+    """Writes that would block wait for the socket and resume where they stopped."""
+
+    async def slow_reader(stream: trio.SocketStream, head: bytes) -> bool:
+        await stream.send_all(CHUNKED_OK)
+        return True
+
+    prompt = "x" * (8 << 20)  # far above loopback socket buffers
+    async with raw_server(slow_reader) as srv:
+        c = client()
+        async with c.stream_generate(f"http://127.0.0.1:{srv.port}", {"text": prompt}) as resp:
+            assert await resp.read_all(1 << 20) == SSE
+        assert srv.body_sizes[0] > 8 << 20
+        await c.aclose()
+
+
+async def test_an_engine_that_does_not_read_the_request_is_unreachable() -> None:
+    """``connect_timeout`` bounds the request write (one cancel scope serves both limits)."""
+    gate = trio.Event()
+
+    async def never_reads(stream: trio.SocketStream) -> None:
+        await gate.wait()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
+        nursery.start_soon(trio.serve_listeners, never_reads, listeners)
+        c = EngineClient(GatewaySettings(connect_timeout=0.3))
+        with trio.fail_after(5), pytest.raises(EngineUnreachable, match="take the request"):
+            async with c.stream_generate(
+                f"http://127.0.0.1:{port}", {"text": "x" * (32 << 20)}, head_timeout=30
+            ):
+                pass
+        gate.set()
+        nursery.cancel_scope.cancel()
+        await c.aclose()
+
+
+async def test_receive_nowait_returns_what_is_there_without_waiting() -> None:
+    go = trio.Event()
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+    async def in_two_steps(stream: trio.SocketStream, h: bytes) -> bool:
+        await stream.send_all(head)
+        await go.wait()
+        await stream.send_all(b"%x\r\n%s\r\n0\r\n\r\n" % (len(SSE), SSE))
+        return True
+
+    async with raw_server(in_two_steps) as srv:
+        c = client()
+        async with c.stream_generate(f"http://127.0.0.1:{srv.port}", {}) as resp:
+            assert resp.receive_nowait() is None  # nothing there yet: no wait, no bytes
+            go.set()
+            with trio.fail_after(5):
+                await resp.wait_readable()
+            got = b""
+            while (part := resp.receive_nowait()) != b"":
+                if part is None:
+                    await resp.wait_readable()
+                else:
+                    got += part
+            assert got == SSE
+            assert resp.reusable
+        await c.aclose()
+
+
+async def test_closing_a_connection_wakes_its_reader_with_an_error() -> None:
+    """The stall sweeper closes an inline candidate's connection from another task: the
+    parked reader must end with an error, not wait forever."""
+
+    async def head_only(stream: trio.SocketStream, h: bytes) -> bool:
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await trio.sleep_forever()
+        return False
+
+    async with raw_server(head_only) as srv:
+        c = client()
+        base = f"http://127.0.0.1:{srv.port}"
+        async with c.stream_generate(base, {}) as resp, trio.open_nursery() as nursery:
+            nursery.start_soon(_close_soon, resp)
+            with trio.fail_after(5), pytest.raises(EngineTruncated):
+                await resp.receive()
+        await c.aclose()
+
+
+async def _close_soon(resp: Any) -> None:
+    await trio.sleep(0.05)
+    resp.close()

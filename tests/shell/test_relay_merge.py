@@ -169,10 +169,23 @@ class _Scripted:
     def __init__(self, reads: list[bytes]) -> None:
         self.reads = list(reads)
         self.closed = False
+        self.ready = False  # each read needs a wait first (the inline reader's slow path)
+
+    def receive_nowait(self) -> bytes | None:
+        if not self.ready:
+            return None
+        self.ready = False
+        return self.reads.pop(0) if self.reads else b""
+
+    async def wait_readable(self) -> None:
+        await trio.lowlevel.checkpoint()
+        self.ready = True
 
     async def receive(self) -> bytes:
-        await trio.lowlevel.checkpoint()
-        return self.reads.pop(0) if self.reads else b""
+        await self.wait_readable()
+        out = self.receive_nowait()
+        assert out is not None
+        return out
 
     def close(self) -> None:
         self.closed = True
@@ -207,6 +220,38 @@ async def test_inline_payloads_of_one_read_are_one_write() -> None:
     assert tail[0]["error"]["code"] == "upstream_truncated" and tail[-1] == "[DONE]"
     assert client.aborts == ["x-0"]  # the engine never said it finished
     assert body.stats.abort_causes == {"error": 1}
+
+
+class _AlwaysReady(_Scripted):
+    """An engine so fast its bytes are always there: the inline reader never waits."""
+
+    def __init__(self, body: GenerationBody) -> None:
+        super().__init__([])
+        self.body = body
+        self.n = 0
+
+    def receive_nowait(self) -> bytes | None:
+        self.n += 1
+        if self.n == 3:  # the request deadline passes while tokens keep coming
+            self.body._deadline = trio.current_time() - 1
+        assert self.n < 50, "the deadline was never checked"
+        return sse(f" t{self.n}", self.n)
+
+
+async def test_inline_reads_that_never_wait_still_end_at_the_deadline() -> None:
+    """Bytes already there are read without a cancel scope; the request deadline is checked
+    on that path too (it would otherwise never fire on a stream that never waits)."""
+    body, client = inline_body([])
+    client.resp = _AlwaysReady(body)
+    async with body:
+        out = await body.prime()
+        with trio.fail_after(5):
+            async for frames in body:
+                out += frames
+    events = decode(out)
+    assert contents(events) == " t1 t2"
+    assert events[-2]["error"]["code"] == "upstream_timeout" and events[-1] == "[DONE]"
+    assert client.aborts == ["x-0"] and body.stats.abort_causes == {"deadline": 1}
 
 
 async def test_inline_error_behind_deltas_in_one_read() -> None:

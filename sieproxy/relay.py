@@ -360,15 +360,19 @@ class GenerationBody(ResponseBody):
                         # status before any output).
                         opened = True
                         async with self._open(i) as resp:
-                            await self._pump(i, resp, reader, send)
+                            await self._pump(i, resp, reader, send, scope)
                     except GatewayError as e:
                         err = e
                         if isinstance(e, EngineUnreachable | EngineHTTPError):
                             opened = False
-                    except trio.TooSlowError:
+                    except trio.TooSlowError:  # no response head within the gap
                         err = self._gap_error(i)
                 if scope.cancelled_caught and self._causes[i] is None:
-                    err = self._deadline_error(i)
+                    # The scope's deadline: the request's, or the token gap's (_pump).
+                    if trio.current_time() >= self._deadline:
+                        err = self._deadline_error(i)
+                    elif not reader.done:  # (finished but kept the body open: fine)
+                        err = self._gap_error(i)
             finally:
                 # Runs on every exit, including the client leaving (an outer cancellation).
                 if opened:
@@ -383,9 +387,14 @@ class GenerationBody(ResponseBody):
         resp: UpstreamResponse,
         reader: GenerateReader,
         send: trio.MemorySendChannel[Event],
+        scope: trio.CancelScope,
     ) -> None:
+        """Read the candidate's body into the channel. The token gap is enforced by moving the
+        deadline of the candidate's own ``scope`` (one scope fewer per candidate); the request
+        deadline caps it."""
         decoder = SSEDecoder(self._g.max_sse_line_bytes)
         gap = self._g.token_gap_timeout
+        end = self._deadline
         # Moving a cancel scope's deadline costs a trio deadline-heap update; doing it for every
         # chunk was measurable. The deadline is moved when a chunk arrives and at least
         # ``slack`` has passed since the last move, so the gap limit fires between
@@ -393,23 +402,20 @@ class GenerationBody(ResponseBody):
         slack = gap * _GAP_SLACK
         receive = resp.receive
         clock = trio.current_time
-        with trio.CancelScope(deadline=clock() + gap) as gap_scope:
-            moved = gap_scope.deadline
-            while raw := await receive():
-                now = clock()
-                if now + gap - moved > slack:
-                    moved = gap_scope.deadline = now + gap
-                if reader.done:
-                    continue  # past [DONE]: read the body to its end so the connection is reused
-                events, err = self._events(i, raw, decoder, reader)
-                for ev in events:
-                    await _put(send, ev)
-                if err is not None:
-                    raise err
-        if gap_scope.cancelled_caught:
+        moved = clock() + gap
+        scope.deadline = min(end, moved)
+        while raw := await receive():
+            now = clock()
+            if now + gap - moved > slack:
+                moved = now + gap
+                scope.deadline = min(end, moved)
             if reader.done:
-                return  # the engine finished but kept the body open: fine, drop the connection
-            raise trio.TooSlowError
+                continue  # past [DONE]: read the body to its end so the connection is reused
+            events, err = self._events(i, raw, decoder, reader)
+            for ev in events:
+                await _put(send, ev)
+            if err is not None:
+                raise err
         _end_of_body(decoder, reader)
 
     # ------------------------------------------------------------------ n = 1, inline

@@ -321,12 +321,14 @@ HANGS: list[tuple[str, Fault, bool]] = [
 ]
 
 
+@pytest.mark.parametrize("n", [1, 2], ids=["inline", "channel"])
 @pytest.mark.parametrize(
     ("fault", "after_chunk"), [c[1:] for c in HANGS], ids=[c[0] for c in HANGS]
 )
-async def test_engine_hang_times_out_and_aborts(fault: Fault, after_chunk: bool) -> None:
+async def test_engine_hang_times_out_and_aborts(fault: Fault, after_chunk: bool, n: int) -> None:
     """token_gap_timeout covers the time to the first token too (settings.py), so a hang
-    anywhere ends the request within a bounded time and aborts the hung rid upstream."""
+    anywhere ends the request within a bounded time and aborts the hung rid upstream (n = 1:
+    the response task's own reads; n = 2: each candidate task's)."""
     engine = FakeEngine(script=faulty(Plan(TOKENS, fault=fault)))
     async with running_gateway(engine, token_gap_timeout=0.5) as gw:
         for stream in (False, True):
@@ -334,7 +336,7 @@ async def test_engine_hang_times_out_and_aborts(fault: Fault, after_chunk: bool)
             t0 = trio.current_time()
             with trio.fail_after(8):
                 r = await gw.client.post(
-                    CHAT, json=chat_body(stream=stream), headers={"X-Request-Id": rid}
+                    CHAT, json=chat_body(stream=stream, n=n), headers={"X-Request-Id": rid}
                 )
             elapsed = trio.current_time() - t0
             assert elapsed < 5, f"answered after {elapsed:.1f}s with a 0.5s token gap"
@@ -345,7 +347,7 @@ async def test_engine_hang_times_out_and_aborts(fault: Fault, after_chunk: bool)
                 err = check_status_error(r, 504)
             assert err["code"] == "upstream_timeout", err
             # The hung generation was aborted upstream, once, and nothing runs any more.
-            await aborted_once(engine, [f"{rid}-0"])
+            await aborted_once(engine, [f"{rid}-{i}" for i in range(n)])
             await settled(engine)
             await still_serves(gw)
 

@@ -334,8 +334,10 @@ async def test_a_request_larger_than_the_socket_buffers_is_sent_whole() -> None:
     prompt = "x" * (8 << 20)  # far above loopback socket buffers
     async with raw_server(slow_reader) as srv:
         c = client()
-        async with c.stream_generate(f"http://127.0.0.1:{srv.port}", {"text": prompt}) as resp:
-            assert await resp.read_all(1 << 20) == SSE
+        base = f"http://127.0.0.1:{srv.port}"
+        with trio.fail_after(10):  # a write cut short leaves the server waiting: fail, not hang
+            async with c.stream_generate(base, {"text": prompt}, head_timeout=5) as resp:
+                assert await resp.read_all(1 << 20) == SSE
         assert srv.body_sizes[0] > 8 << 20
         await c.aclose()
 

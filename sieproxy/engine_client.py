@@ -353,17 +353,14 @@ class EngineClient:
         resp: UpstreamResponse | None = None
         # One cancel scope for the three stages (each costs a deadline-heap update): the
         # checkout and the head wait end at ``deadline``; sending the request also ends within
-        # ``connect_timeout`` of its start (an engine that does not read its socket).
-        send_by = math.inf
+        # ``connect_timeout`` of its start (an engine that does not read its socket), so the
+        # scope's deadline is below ``deadline`` exactly while the request is being written.
         try:
             with trio.CancelScope(deadline=deadline) as scope:
                 c = await self._checkout(o)
-                send_by = trio.current_time() + self._g.connect_timeout
-                if send_by < deadline:
-                    scope.deadline = send_by
+                scope.deadline = min(deadline, trio.current_time() + self._g.connect_timeout)
                 try:
                     await c.send_all(data)
-                    send_by = math.inf
                     scope.deadline = deadline
                     parser = ResponseParser()
                     rest = b""
@@ -377,7 +374,7 @@ class EngineClient:
                     raise _truncated(exc, msg) from exc
                 resp = UpstreamResponse(c, parser, rest)
             if resp is None:  # this scope's deadline fired
-                if send_by < deadline:
+                if scope.deadline < deadline:
                     raise EngineUnreachable("The engine did not take the request in time.")
                 raise trio.TooSlowError
             if ok_only and resp.status != 200:

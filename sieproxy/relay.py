@@ -285,6 +285,15 @@ class GenerationBody(ResponseBody):
         self._causes[i] = "deadline"
         return EngineTimeout("The request exceeded its deadline and was aborted.")
 
+    def _expired(self, i: int, reader: GenerateReader) -> GatewayError | None:
+        """What a candidate's fired timer means: nothing if the engine already finished (it
+        kept the body open), else the request deadline or the token gap, by the clock."""
+        if reader.done:
+            return None
+        if trio.current_time() >= self._deadline:
+            return self._deadline_error(i)
+        return self._gap_error(i)
+
     def _events(
         self, i: int, raw: bytes, decoder: SSEDecoder, reader: GenerateReader
     ) -> tuple[list[Event], GatewayError | None]:
@@ -368,11 +377,7 @@ class GenerationBody(ResponseBody):
                     except trio.TooSlowError:  # no response head within the gap
                         err = self._gap_error(i)
                 if scope.cancelled_caught and self._causes[i] is None:
-                    # The scope's deadline: the request's, or the token gap's (_pump).
-                    if trio.current_time() >= self._deadline:
-                        err = self._deadline_error(i)
-                    elif not reader.done:  # (finished but kept the body open: fine)
-                        err = self._gap_error(i)
+                    err = self._expired(i, reader)  # the request's deadline or the gap (_pump)
             finally:
                 # Runs on every exit, including the client leaving (an outer cancellation).
                 if opened:
@@ -453,11 +458,7 @@ class GenerationBody(ResponseBody):
                         await resp.wait_readable()
                     if not scope.cancelled_caught:
                         continue
-                    if reader.done:
-                        return await self._inline_end(None)  # finished, body left open
-                    if trio.current_time() >= self._deadline:
-                        return await self._inline_end(self._deadline_error(0))
-                    return await self._inline_end(self._gap_error(0))
+                    return await self._inline_end(self._expired(0, reader))
                 now = trio.current_time()
                 if now >= self._deadline:
                     return await self._inline_end(self._deadline_error(0))

@@ -11,7 +11,10 @@ Targets (all reached at an OpenAI ``/v1/chat/completions`` path by the load gene
   ``/generate``; ``hypercorn-wK``: ``hypercorn --workers K sieproxy.asgi:app``;
 * ``nginx``: Debian's nginx as a pure relay (one worker, ``proxy_buffering off``, upstream
   keep-alive); ``n > 1`` becomes n parallel requests, as for direct;
-* ``litellm``: LiteLLM's proxy in its own virtualenv (one worker, no database, no callbacks).
+* ``litellm``: LiteLLM's proxy in its own virtualenv (one worker, no database, no callbacks);
+* the floors of the gateway's stack (``FLOORS``): ``trio-pipe``, ``trio-pipe-streams`` and
+  ``hypercorn-relay`` (see ``bench/triopipe.py`` and ``bench/hyperrelay.py``); ``n > 1``
+  becomes n parallel requests, as for nginx.
 """
 
 from __future__ import annotations
@@ -289,6 +292,25 @@ def start_nginx(engine_port: int, cpus: str | None) -> Target:
     return Target("nginx", port, split_n=True, proc=p)
 
 
+#: Relays that show the floor of the gateway's stack (each a module of this package, started
+#: with the port to serve and the engine's port): a trio TCP pipe on descriptors, the same on
+#: trio's SocketStream, and Hypercorn on trio relaying the engine's bytes through the gateway's
+#: upstream client with no gateway logic.
+FLOORS = {
+    "trio-pipe": ["-m", "bench.triopipe"],
+    "trio-pipe-streams": ["-m", "bench.triopipe", "--streams"],
+    "hypercorn-relay": ["-m", "bench.hyperrelay"],
+}
+
+
+def start_floor(name: str, engine_port: int, cpus: str | None) -> Target:
+    port = free_port()
+    tmp = tempfile.mkdtemp(prefix=f"bench-{name}-")
+    p = spawn(name, [*taskset(cpus), PY, *FLOORS[name], str(port), str(engine_port)], port, tmp=tmp)
+    wait_http(port, "/health", 30, p.popen, what=name)
+    return Target(name, port, split_n=True, proc=p)
+
+
 def litellm_bin() -> Path:
     return LITELLM_VENV / "bin" / "litellm"
 
@@ -374,4 +396,6 @@ def start_target(name: str, engine_port: int, cpus: str | None) -> Target:
         return start_nginx(engine_port, cpus)
     if name == "litellm":
         return start_litellm(engine_port, cpus)
+    if name in FLOORS:
+        return start_floor(name, engine_port, cpus)
     raise ValueError(f"unknown target {name!r}")

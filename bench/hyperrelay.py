@@ -1,0 +1,91 @@
+"""The floor of the gateway's stack: Hypercorn on trio relaying bytes, nothing else.
+
+``python -m bench.hyperrelay PORT ENGINE_PORT`` serves a raw ASGI app (no Quart) with
+Hypercorn's Trio worker, configured as ``sieproxy serve`` configures it, and with the serving
+process's garbage-collector tuning. Each ``POST`` is forwarded to the same path on the engine
+through the gateway's own upstream client (``sieproxy.engine_client``), and the engine's
+response body — already OpenAI chunks — is relayed verbatim, one ASGI write per upstream read.
+No validation, planning, SSE decoding or shaping: what remains is the cost of the server, the
+event loop and the upstream client, which the gateway cannot go below without replacing them.
+The bench runs it as the ``hypercorn-relay`` target; ``GET`` requests (``/health``) are
+answered locally.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import msgspec
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from sieproxy.core.errors import GatewayError
+from sieproxy.engine_client import EngineClient
+from sieproxy.serve import tune_gc
+from sieproxy.settings import GatewaySettings
+
+_JSON = [(b"content-type", b"application/json")]
+_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+async def _watch_disconnect(receive: Any, scope: trio.CancelScope) -> None:
+    """A client that leaves ends the relay (and with it the upstream request), as in Quart."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+async def _relay(engine: str, client: EngineClient, path: str, body: bytes, send: Any) -> None:
+    try:
+        async with client._post(engine, path, msgspec.json.decode(body), ok_only=True) as resp:
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+            while data := await resp.receive():
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+    except GatewayError as exc:
+        await send({"type": "http.response.start", "status": 502, "headers": _JSON})
+        await send({"type": "http.response.body", "body": str(exc).encode()})
+        return
+    await send({"type": "http.response.body", "body": b""})
+
+
+def make_app(engine: str, client: EngineClient) -> Any:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":  # nothing to set up or tear down
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["method"] != "POST":
+            await send({"type": "http.response.start", "status": 200, "headers": _JSON})
+            await send({"type": "http.response.body", "body": b"{}"})
+            return
+        body = b""
+        more = True
+        while more:
+            msg = await receive()
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
+            await _relay(engine, client, scope["path"], body, send)
+            nursery.cancel_scope.cancel()
+
+    return app
+
+
+async def main(port: int, engine_port: int) -> None:
+    client = EngineClient(GatewaySettings(max_keepalive_connections=4096))
+    cfg = Config()
+    cfg.bind = [f"127.0.0.1:{port}"]
+    cfg.keep_alive_timeout = 75
+    cfg.backlog = 2048
+    cfg.accesslog = None
+    app = make_app(f"http://127.0.0.1:{engine_port}", client)
+    tune_gc()
+    await serve(app, cfg, mode="asgi")
+
+
+if __name__ == "__main__":
+    trio.run(main, int(sys.argv[1]), int(sys.argv[2]))

@@ -6,6 +6,7 @@ checks, client); the gateway keeps no shared state, so workers scale out behind 
 
 import logging
 
+from .hypercorn_io import install as install_hypercorn_io
 from .serve import build_app, tune_gc
 from .settings import load_settings
 
@@ -19,3 +20,4 @@ logging.basicConfig(
 logging.getLogger("httpx").setLevel(logging.WARNING)
 app = build_app(_settings)
 tune_gc()
+install_hypercorn_io()  # before Hypercorn's worker accepts its first connection

@@ -35,6 +35,7 @@ from .core.reasoning import make_reasoning_parser
 from .core.template import check_template
 from .core.toolparse import make_tool_parser
 from .engine_client import EngineClient
+from .hypercorn_io import install as install_hypercorn_io
 from .observe import Observer
 from .pool import ModelPool
 from .relay import GenerationBody, sweep_stalls
@@ -251,6 +252,7 @@ async def serve(
         app = build_app(settings)
     state: GatewayState = app.extensions["sieproxy"]
     cfg = hypercorn_config(settings)
+    install_hypercorn_io()
     stop = shutdown_trigger if shutdown_trigger is not None else trio.Event()
 
     async def _trigger() -> None:

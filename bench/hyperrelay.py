@@ -1,10 +1,11 @@
 """The floor of the gateway's stack: Hypercorn on trio relaying bytes, nothing else.
 
 ``python -m bench.hyperrelay PORT ENGINE_PORT`` serves a raw ASGI app (no Quart) with
-Hypercorn's Trio worker, configured as ``sieproxy serve`` configures it, and with the serving
-process's garbage-collector tuning. Each ``POST`` is forwarded to the same path on the engine
-through the gateway's own upstream client (``sieproxy.engine_client``), and the engine's
-response body — already OpenAI chunks — is relayed verbatim, one ASGI write per upstream read.
+Hypercorn's Trio worker, configured as ``sieproxy serve`` configures it: its client-write path
+(``sieproxy.hypercorn_io``) and the serving process's garbage-collector tuning. Each ``POST``
+is forwarded to the same path on the engine through the gateway's own upstream client
+(``sieproxy.engine_client``), and the engine's response body — already OpenAI chunks — is
+relayed verbatim, one ASGI write per upstream read.
 No validation, planning, SSE decoding or shaping: what remains is the cost of the server, the
 event loop and the upstream client, which the gateway cannot go below without replacing them.
 The bench runs it as the ``hypercorn-relay`` target; ``GET`` requests (``/health``) are
@@ -23,6 +24,7 @@ from hypercorn.trio import serve
 
 from sieproxy.core.errors import GatewayError
 from sieproxy.engine_client import EngineClient
+from sieproxy.hypercorn_io import install as install_hypercorn_io
 from sieproxy.serve import tune_gc
 from sieproxy.settings import GatewaySettings
 
@@ -84,6 +86,7 @@ async def main(port: int, engine_port: int) -> None:
     cfg.accesslog = None
     app = make_app(f"http://127.0.0.1:{engine_port}", client)
     tune_gc()
+    install_hypercorn_io()
     await serve(app, cfg, mode="asgi")
 
 

@@ -18,7 +18,12 @@ RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 COLORS = {
     "direct": "#4d4d4d", "sieproxy": "#1f77b4", "sieproxy2": "#17becf", "nginx": "#2ca02c",
     "litellm": "#d62728", "hypercorn-w1": "#1f77b4", "hypercorn-w2": "#17becf",
+    "hypercorn-relay": "#9467bd", "trio-pipe": "#8c564b", "trio-pipe-streams": "#e377c2",
 }
+#: Ratios of CPU per chunk between two targets of the same run (numerator, denominator): the
+#: gateway against its peers, and against the floors of its own stack (bench/targets.FLOORS).
+CPU_PAIRS = [("sieproxy", "nginx"), ("litellm", "sieproxy"), ("sieproxy", "hypercorn-relay"),
+             ("trio-pipe", "nginx")]
 
 
 def med(xs: list[float]) -> float | None:
@@ -106,12 +111,11 @@ def pair_ratios(runs: list[dict[str, Any]]) -> dict[tuple, dict[str, float | Non
                 acc.setdefault(name, []).append(v)
 
         for tg in reps.values():
-            s, ng, ll, d = (tg.get(x) for x in ("sieproxy", "nginx", "litellm", "direct"))
+            d = tg.get("direct")
             cpu = {k: v.get("sut_cpu_us_per_chunk") for k, v in tg.items()}
-            if s and ng and cpu.get("sieproxy") and cpu.get("nginx"):
-                add("cpu_sieproxy_over_nginx", cpu["sieproxy"] / cpu["nginx"])
-            if s and ll and cpu.get("sieproxy") and cpu.get("litellm"):
-                add("cpu_litellm_over_sieproxy", cpu["litellm"] / cpu["sieproxy"])
+            for a, b in CPU_PAIRS:
+                if cpu.get(a) and cpu.get(b):
+                    add(f"cpu_{a}_over_{b}", cpu[a] / cpu[b])
             for t in ("sieproxy", "nginx", "litellm"):
                 r = tg.get(t)
                 if r and d and p(r, "ttft_ms", "p50") is not None and p(d, "ttft_ms", "p50"):
@@ -130,6 +134,8 @@ def ratio_table(ratios: dict[tuple, dict[str, float | None]]) -> str:
     cols = [
         ("cpu_sieproxy_over_nginx", "CPU/chunk sieproxy ÷ nginx", 2),
         ("cpu_litellm_over_sieproxy", "CPU/chunk LiteLLM ÷ sieproxy", 1),
+        ("cpu_sieproxy_over_hypercorn-relay", "CPU/chunk sieproxy ÷ hypercorn-relay", 2),
+        ("cpu_trio-pipe_over_nginx", "CPU/chunk trio-pipe ÷ nginx", 2),
         ("added_ttft_p50_sieproxy", "added TTFT p50 sieproxy ms", 2),
         ("added_ttft_p50_nginx", "added TTFT p50 nginx ms", 2),
         ("added_ttft_p50_litellm", "added TTFT p50 LiteLLM ms", 2),

@@ -121,6 +121,12 @@ def _engine(b: Bench, a: argparse.Namespace, itl: float) -> T.Proc:
     return T.start_engine(b.ttft_ms, itl, b.tokens, b.layout.harness, b.incremental, a.engine)
 
 
+def _order(targets: list[str]) -> list[str]:
+    """The targets in table order: direct, the gateway, its peers, then the rest as given."""
+    order = [t for t in ["direct", "sieproxy", "nginx", "litellm"] if t in targets]
+    return order + [t for t in targets if t not in order]
+
+
 def _rotate(xs: list[str], k: int) -> list[str]:
     k %= max(1, len(xs))
     return xs[k:] + xs[:k]
@@ -233,8 +239,7 @@ def cmd_relay(a: argparse.Namespace) -> None:
     meta = _meta(a, b)
     path = _save("relay", meta, [_strip(r) for r in runs])
     ratios = R.pair_ratios(runs)
-    order = [t for t in ["direct", "sieproxy", "nginx", "litellm"] if t in a.targets]
-    order += [t for t in a.targets if t not in order]
+    order = _order(a.targets)
     # plots
     plots = []
     cpu_groups = []
@@ -344,7 +349,7 @@ def cmd_latency(a: argparse.Namespace) -> None:
     meta = _meta(a, b)
     path = _save("latency", meta, [_strip(r) for r in runs])
     ratios = R.pair_ratios(runs)
-    order = [t for t in ["direct", "sieproxy", "nginx", "litellm"] if t in a.targets]
+    order = _order(a.targets)
     plots = []
     if 1 in a.n:
         R.cdf_svg({t: [x for r in runs if r["n"] == 1 and r["target"] == t

@@ -116,7 +116,7 @@ def pair_ratios(runs: list[dict[str, Any]]) -> dict[tuple, dict[str, float | Non
             for a, b in CPU_PAIRS:
                 if cpu.get(a) and cpu.get(b):
                     add(f"cpu_{a}_over_{b}", cpu[a] / cpu[b])
-            for t in ("sieproxy", "nginx", "litellm"):
+            for t in ("sieproxy", "nginx", "litellm", "hypercorn-relay", "trio-pipe"):
                 r = tg.get(t)
                 if r and d and p(r, "ttft_ms", "p50") is not None and p(d, "ttft_ms", "p50"):
                     add(f"added_ttft_p50_{t}", p(r, "ttft_ms", "p50") - p(d, "ttft_ms", "p50"))
@@ -139,6 +139,8 @@ def ratio_table(ratios: dict[tuple, dict[str, float | None]]) -> str:
         ("added_ttft_p50_sieproxy", "added TTFT p50 sieproxy ms", 2),
         ("added_ttft_p50_nginx", "added TTFT p50 nginx ms", 2),
         ("added_ttft_p50_litellm", "added TTFT p50 LiteLLM ms", 2),
+        ("added_ttft_p50_hypercorn-relay", "added TTFT p50 hypercorn-relay ms", 2),
+        ("added_ttft_p50_trio-pipe", "added TTFT p50 trio-pipe ms", 2),
         ("fanout_sieproxy_over_direct", "all-n-first sieproxy ÷ direct", 2),
         ("throughput_sieproxy_over_direct", "chunks/s sieproxy ÷ direct", 2),
         ("throughput_nginx_over_direct", "chunks/s nginx ÷ direct", 2),

@@ -22,9 +22,11 @@ A task already cancelled raises ``Cancelled`` before writing, as Hypercorn's loc
 connection the client has closed or reset (``EPIPE``, ``ECONNRESET``, a closed descriptor) is
 reported to Hypercorn's protocol as ``Closed``, as Hypercorn does for a broken stream.
 
-``install()`` makes Hypercorn's Trio worker create these connections; it relies on the
-attributes of Hypercorn's ``TCPServer`` (``stream``, ``send_lock``, ``protocol``), checked for
-the Hypercorn versions pyproject.toml allows by tests/shell/test_hypercorn_io.py.
+``install()`` makes Hypercorn's Trio worker create these connections. It relies on attributes
+of Hypercorn's ``TCPServer`` (``stream``, ``send_lock``, ``protocol``) and on the module
+``hypercorn.trio.run`` looking the class up when it serves; pyproject.toml bounds Hypercorn
+below the next minor version, and tests/shell/test_hypercorn_io.py checks the behaviour on the
+installed one.
 """
 
 from __future__ import annotations

@@ -40,12 +40,17 @@ async def _watch_disconnect(receive: Any, scope: trio.CancelScope) -> None:
 
 
 async def _relay(engine: str, client: EngineClient, path: str, body: bytes, send: Any) -> None:
+    started = False
     try:
         async with client._post(engine, path, msgspec.json.decode(body), ok_only=True) as resp:
             await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+            started = True
             while data := await resp.receive():
                 await send({"type": "http.response.body", "body": data, "more_body": True})
     except GatewayError as exc:
+        if started:  # the engine broke mid-stream: end the body (the client sees no [DONE])
+            await send({"type": "http.response.body", "body": b""})
+            return
         await send({"type": "http.response.start", "status": 502, "headers": _JSON})
         await send({"type": "http.response.body", "body": str(exc).encode()})
         return

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Awaitable, Callable
 from functools import partial
 
 import trio
@@ -45,26 +46,31 @@ async def _copy_streams(src: trio.SocketStream, dst: trio.SocketStream) -> None:
         await dst.send_all(data)
 
 
-async def _copy(streams: bool, src: trio.SocketStream, dst: trio.SocketStream) -> None:
+Copy = Callable[[trio.SocketStream, trio.SocketStream], Awaitable[None]]
+
+
+async def _quietly(copy: Copy, src: trio.SocketStream, dst: trio.SocketStream) -> None:
+    """A peer that resets or closes ends the copy, not the pipe process."""
     with contextlib.suppress(OSError, trio.BrokenResourceError, trio.ClosedResourceError):
-        await (_copy_streams if streams else _copy_fds)(src, dst)
+        await copy(src, dst)
 
 
-async def _handle(upstream_port: int, streams: bool, client: trio.SocketStream) -> None:
+async def _handle(upstream_port: int, copy: Copy, client: trio.SocketStream) -> None:
     try:
         upstream = await trio.open_tcp_stream("127.0.0.1", upstream_port)
     except OSError:
         await client.aclose()
         return
     async with client, upstream, trio.open_nursery() as nursery:
-        nursery.start_soon(_copy, streams, upstream, client)
-        await _copy(streams, client, upstream)  # the client left: drop the upstream too
+        nursery.start_soon(_quietly, copy, upstream, client)
+        await _quietly(copy, client, upstream)  # the client left: drop the upstream too
         nursery.cancel_scope.cancel()
 
 
 async def main(port: int, upstream_port: int, streams: bool) -> None:
+    copy = _copy_streams if streams else _copy_fds
     listeners = await trio.open_tcp_listeners(port, host="127.0.0.1", backlog=2048)
-    await trio.serve_listeners(partial(_handle, upstream_port, streams), listeners)
+    await trio.serve_listeners(partial(_handle, upstream_port, copy), listeners)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Checked on a socket pair with the real Hypercorn ``TCPServer`` underneath: bytes of concurrent
 writers never interleave or reorder, the rest of a partial write is sent even when its writer
 is cancelled, a cancelled writer writes nothing, a closed peer is reported as ``Closed``, TLS
-streams take Hypercorn's own path, and both entry points install the class.
+streams take Hypercorn's own path, and ``sieproxy serve`` and ``sieproxy.asgi`` install the
+class.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ import pytest
 import trio
 from hypercorn.config import Config
 from hypercorn.events import Closed, Event, RawData
+from hypercorn.trio.tcp_server import TCPServer as HypercornTCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
 from sieproxy import hypercorn_io
 from sieproxy.hypercorn_io import TCPServer
+
+from .harness import running_gateway, sse_events
 
 
 class _Protocol:
@@ -167,19 +171,27 @@ async def test_other_streams_take_hypercorns_path() -> None:
     assert stream.sent == [b"abc"]
 
 
-def test_both_entry_points_install_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    original = hypercorn_run.TCPServer  # type: ignore[attr-defined]
-    try:
-        monkeypatch.setattr(hypercorn_run, "TCPServer", object)
-        hypercorn_io.install()
+async def test_serve_installs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hypercorn_run, "TCPServer", HypercornTCPServer)
+    async with running_gateway() as gw:  # sieproxy.serve.serve
         assert hypercorn_run.TCPServer is TCPServer  # type: ignore[attr-defined]
-        monkeypatch.setattr(hypercorn_run, "TCPServer", object)
-        cfg = tmp_path / "g.toml"
-        cfg.write_text('[models.m]\nengines = ["http://127.0.0.1:9"]\nchat_template = "x"\n')
-        monkeypatch.setenv("SIEPROXY_CONFIG", str(cfg))
-        import sieproxy.asgi
+        r = await gw.chat(max_tokens=3, stream=True)
+        assert r.status_code == 200 and sse_events(r.text)[-1] == "[DONE]"
 
-        importlib.reload(sieproxy.asgi)
-        assert hypercorn_run.TCPServer is TCPServer  # type: ignore[attr-defined]
-    finally:
-        hypercorn_run.TCPServer = original  # type: ignore[attr-defined]
+
+def test_install_and_the_asgi_entry_point(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    # monkeypatch puts Hypercorn's own class back afterwards
+    monkeypatch.setattr(hypercorn_run, "TCPServer", object)
+    hypercorn_io.install()
+    assert hypercorn_run.TCPServer is TCPServer  # type: ignore[attr-defined]
+    monkeypatch.setattr(hypercorn_run, "TCPServer", object)
+    cfg = tmp_path / "g.toml"
+    cfg.write_text('[models.m]\nengines = ["http://127.0.0.1:9"]\nchat_template = "x"\n')
+    monkeypatch.setenv("SIEPROXY_CONFIG", str(cfg))
+    monkeypatch.setattr("sieproxy.serve.tune_gc", lambda: None)  # not in the test process
+    import sieproxy.asgi
+
+    importlib.reload(sieproxy.asgi)
+    assert hypercorn_run.TCPServer is TCPServer  # type: ignore[attr-defined]

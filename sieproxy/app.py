@@ -43,7 +43,7 @@ from .core.profile import ModelProfile
 from .engine_client import EngineClient
 from .observe import Observer
 from .pool import ModelPool, RouteHints
-from .relay import GenerationBody, RequestStats
+from .relay import GenerationBody, RequestStats, WaitTimer
 from .settings import Settings
 
 __all__ = ["GatewayState", "create_app"]
@@ -68,6 +68,7 @@ class GatewayState:
     observer: Observer
     draining: bool = False
     active: set[GenerationBody] = field(default_factory=set)
+    timer: WaitTimer = field(default_factory=WaitTimer)
     created: Callable[[], int] = lambda: int(time.time())
 
 
@@ -297,6 +298,7 @@ def create_app(state: GatewayState) -> Quart:
             stats=stats,
             losers=plan.losers,
             on_done=lambda b: _finish(b, plan.usage),
+            timer=state.timer,
         )
         state.active.add(body)
         body.active = state.active

@@ -247,6 +247,12 @@ def _sweep(a: argparse.Namespace, b: Bench) -> list[dict[str, Any]]:
     return runs
 
 
+def _tables(runs: list[dict[str, Any]], order: list[str], ratios: dict) -> str:
+    """The per-run table and the within-round ratio table of a relay-style section."""
+    return (R.relay_table(runs, order) + "\n\nRatios within each round (median over rounds):\n\n"
+            + R.ratio_table(ratios))
+
+
 def cmd_relay(a: argparse.Namespace) -> None:
     b = _bench(a)
     runs = _sweep(a, b)
@@ -290,8 +296,7 @@ def cmd_relay(a: argparse.Namespace) -> None:
            "the SUT's whole process tree (schedstat) over the window ÷ chunks received in it; "
            "engine and load-generator CPU per chunk show whether the harness kept up. `direct` "
            "and `nginx` serve n > 1 as n parallel n = 1 requests.\n\n")
-    md += R.relay_table(runs, order) + "\n\nRatios within each round (median over rounds):\n\n"
-    md += R.ratio_table(ratios) + "\n\n" + " ".join(f"![{p}]({p})" for p in plots)
+    md += _tables(runs, order, ratios) + "\n\n" + " ".join(f"![{p}]({p})" for p in plots)
     verdicts = relay_verdicts(runs, ratios)
     _finish(a, "relay", md, verdicts, path)
 
@@ -366,8 +371,7 @@ def cmd_streams(a: argparse.Namespace) -> None:
            "one process per target; medians over repeats. The floors (`hypercorn-relay`, "
            "`trio-pipe`) show what the server and the event loop cost with no gateway logic "
            "(docs/BENCH-METHOD.md).\n\n")
-    md += R.relay_table(runs, order) + "\n\nRatios within each round (median over rounds):\n\n"
-    md += R.ratio_table(R.pair_ratios(runs))
+    md += _tables(runs, order, R.pair_ratios(runs))
     v = streams_verdict(runs)
     verdicts = [v] if v is not None else [R.verdict(
         STREAMS_TARGET, None, f"the gateway did not run {STREAMS:,} streams at "
@@ -419,8 +423,7 @@ def cmd_latency(a: argparse.Namespace) -> None:
     md += (f"\nOne client, closed loop, {a.tokens}-token responses at {a.itl_ms:g} ms ITL. "
            "`direct` serves n = 16 as 16 parallel n = 1 requests; *all-n-first* is the time "
            "until every choice's first non-empty token reached the client.\n\n")
-    md += R.relay_table(runs, order) + "\n\nRatios within each round (median over rounds):\n\n"
-    md += R.ratio_table(ratios) + "\n\n" + " ".join(f"![{p}]({p})" for p in plots)
+    md += _tables(runs, order, ratios) + "\n\n" + " ".join(f"![{p}]({p})" for p in plots)
     verdicts = []
     r1 = ratios.get((1, 1, a.itl_ms), {})
     added = r1.get("added_ttft_p50_sieproxy")

@@ -158,10 +158,11 @@ class _Inline:
     last: float = 0.0  # when the engine last sent bytes (the gap limit counts from there)
     opened: bool = False  # the engine may be generating this rid
     ended: bool = False
-    # WaitTimer state: the time of this reader's entry in the timer's heap (inf: none), the
-    # entry's holder (emptied when the reader ends), whether the reader is parked waiting for
-    # the engine, and whether the timer closed the connection under it.
-    armed: float = math.inf
+    # WaitTimer state: whether this reader has an entry in the timer's heap (its limit only
+    # moves later, so one entry at a time suffices), the entry's holder (emptied when the
+    # reader ends), whether the reader is parked waiting for the engine, and whether the timer
+    # closed the connection under it.
+    armed: bool = False
     holder: list[GenerationBody | None] | None = None
     waiting: bool = False
     fired: bool = False
@@ -222,7 +223,7 @@ class WaitTimer:
                     holder = heapq.heappop(heap)[2]
                     body = holder[0]
                     if body is None:
-                        self._dead = max(0, self._dead - 1)
+                        self._dead -= 1
                         continue
                     again = body.timer_due(now)
                     if again is not None:
@@ -543,10 +544,9 @@ class GenerationBody(ResponseBody):
                         if not scope.cancelled_caught:
                             continue
                         return await self._inline_end(self._expired(0, reader))
-                    if limit < il.armed:
-                        if il.holder is None:
-                            il.holder = [self]
-                        il.armed = limit
+                    if not il.armed:
+                        il.armed = True
+                        il.holder = [self]
                         timer.arm(limit, il.holder)
                     il.waiting = True
                     try:
@@ -595,11 +595,10 @@ class GenerationBody(ResponseBody):
         or None (the limit passed: if the reader waits, close its connection to wake it)."""
         il = self._il
         assert il is not None
-        il.armed = math.inf
         limit = min(self._deadline, il.last + self._g.token_gap_timeout)
         if limit > now:
-            il.armed = limit
-            return limit
+            return limit  # still armed: the timer re-pushes the same holder
+        il.armed = False
         if il.waiting and il.resp is not None:
             il.fired = True
             il.resp.close()
@@ -610,9 +609,9 @@ class GenerationBody(ResponseBody):
         if il is None or il.ended:
             return
         il.ended = True
-        if il.holder is not None and il.armed != math.inf:
+        if il.armed:
+            assert il.holder is not None and self._timer is not None
             il.holder[0] = None  # the timer's entry no longer keeps this body alive
-            assert self._timer is not None
             self._timer.drop()
         if il.opened:
             await self._abort(0, err)

@@ -22,39 +22,84 @@ A task already cancelled raises ``Cancelled`` before writing, as Hypercorn's loc
 connection the client has closed or reset (``EPIPE``, ``ECONNRESET``, a closed descriptor) is
 reported to Hypercorn's protocol as ``Closed``, as Hypercorn does for a broken stream.
 
+A connection that must close after its response (an HTTP/1.0 client, a ``Connection: close``
+request, the last request Hypercorn allows on a connection) is closed from the app's task, at
+the end of the response. Quart-Trio cancels that task in the same step (it sees the stream end
+as the client leaving), and Hypercorn's close is a cancellation point: left alone, the socket was
+never closed, and a client whose body is delimited by the close (HTTP/1.0) waited for ever. The
+close is therefore shielded here; it cannot block (shutdown of the write side, then close).
+
+``chunk_writer()`` goes one step further for a streamed response body. Each piece an ASGI
+app sends passes through Hypercorn's ``HTTPStream.app_send`` (a ``Body`` event and a copy), its
+``H11Protocol`` (an ``h11.Data`` event through h11's state machine, which frames it as a chunk
+and joins the pieces: another copy) and a ``RawData`` event, before it reaches the socket write
+above: about a tenth of the gateway's CPU per relayed token (bench/RESULTS.md). When h11 frames
+the response as chunks (an HTTP/1.1 client, no ``Content-Length``) — a framing that keeps no
+state between chunks — the writer frames each piece itself (``<hex length>\r\n<bytes>\r\n``,
+exactly what h11 writes) and hands it to the connection's write. The head and the end of the
+body still go through ASGI, so h11 and Hypercorn see the whole exchange: the status line and
+headers, ``0\r\n\r\n`` at the end, keep-alive and the next request on the connection. Where the
+conditions do not hold (an HTTP/1.0 client, HTTP/2, another server, a body with a length) it
+returns ``None`` and the caller sends through ASGI. Over TLS the framed chunk takes Hypercorn's
+own write, as above.
+
+The connection is found through a context variable set when it starts serving: Hypercorn
+spawns the app's task from the connection's own task, and a Trio task inherits its spawner's
+context.
+
 ``install()`` makes Hypercorn's Trio worker create these connections. It relies on attributes
-of Hypercorn's ``TCPServer`` (``stream``, ``send_lock``, ``protocol``) and on the module
-``hypercorn.trio.run`` looking the class up when it serves; pyproject.toml bounds Hypercorn
-below the next minor version, and tests/shell/test_hypercorn_io.py checks the behaviour on the
-installed one.
+of Hypercorn's ``TCPServer`` (``stream``, ``send_lock``, ``protocol``), of its HTTP/1.1 protocol
+(``connection``, ``stream``) and of h11's connection (``our_state``, ``_writer``), and on the
+module ``hypercorn.trio.run`` looking the class up when it serves; pyproject.toml bounds
+Hypercorn and h11 below their next minor versions, and tests/shell/test_hypercorn_io.py checks
+the behaviour on the installed ones.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 
+import h11
 import trio
+from h11._writers import ChunkedWriter
 from hypercorn.events import Closed, Event, RawData
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio.tcp_server import TCPServer as HypercornTCPServer
 
-__all__ = ["TCPServer", "install"]
+__all__ = ["TCPServer", "chunk_writer", "install"]
+
+_SERVING: ContextVar[TCPServer | None] = ContextVar("sieproxy_connection", default=None)
 
 
 class TCPServer(HypercornTCPServer):
     """Hypercorn's Trio connection with the direct write described in the module docstring."""
 
+    async def run(self) -> None:
+        _SERVING.set(self)  # inherited by the tasks this connection spawns (the app's)
+        await super().run()
+
     async def protocol_send(self, event: Event) -> None:
-        stream: trio.abc.Stream = self.stream  # typed SSLStream by Hypercorn; plain TCP is not
-        if (
-            type(event) is not RawData
-            or not isinstance(stream, trio.SocketStream)
-            or self.send_lock.locked()
-        ):
+        if type(event) is RawData:
+            await self.write(event.data)
+        elif type(event) is Closed:
+            # Closing never blocks (shutdown, then close); shielded so that it happens even in
+            # a task being cancelled (see the module docstring: HTTP/1.0 and Connection: close).
+            with trio.CancelScope(shield=True):
+                await super().protocol_send(event)
+        else:
             await super().protocol_send(event)
+
+    async def write(self, data: bytes) -> None:
+        """Send ``data`` on the connection (the way described in the module docstring)."""
+        stream: trio.abc.Stream = self.stream  # typed SSLStream by Hypercorn; plain TCP is not
+        if not isinstance(stream, trio.SocketStream) or self.send_lock.locked():
+            await super().protocol_send(RawData(data=data))
             return
         await trio.lowlevel.checkpoint_if_cancelled()
-        data = event.data
         try:
             sent = os.write(stream.socket.fileno(), data)
         except BlockingIOError:
@@ -69,6 +114,46 @@ class TCPServer(HypercornTCPServer):
         # it reaches Hypercorn's lock and shielded write uncancelled: a response is never cut
         # inside a frame.
         await super().protocol_send(RawData(data=data[sent:]))
+
+
+class _ChunkWriter:
+    __slots__ = ("_server", "_stream")
+
+    def __init__(self, server: TCPServer, stream: HTTPStream) -> None:
+        self._server = server
+        self._stream = stream
+
+    async def write(self, data: bytes) -> None:
+        if not data:  # an empty chunk would end the body
+            return
+        if self._stream.closed:  # the client is gone; Hypercorn's own path drops it too
+            await trio.lowlevel.checkpoint()
+            return
+        await self._server.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+
+def chunk_writer() -> Callable[[bytes], Awaitable[None]] | None:
+    """In the task of an ASGI app served by ``TCPServer`` over HTTP/1.1, once it has sent
+    ``http.response.start``: a function that sends one piece of the body as a chunk straight to
+    the connection, or ``None`` where the body is not chunked or the connection is not one of
+    ours (see the module docstring). The body's end still goes through ASGI."""
+    server = _SERVING.get()
+    if server is None:
+        return None
+    proto = getattr(getattr(server, "protocol", None), "protocol", None)
+    if type(proto) is not H11Protocol:
+        return None
+    conn = proto.connection
+    if (
+        type(conn) is not h11.Connection
+        or conn.our_state is not h11.SEND_BODY
+        or type(getattr(conn, "_writer", None)) is not ChunkedWriter
+    ):
+        return None
+    stream = proto.stream
+    if type(stream) is not HTTPStream or stream.closed:
+        return None
+    return _ChunkWriter(server, stream).write
 
 
 def install() -> None:

@@ -4,27 +4,35 @@ Checked on a socket pair with the real Hypercorn ``TCPServer`` underneath: bytes
 writers never interleave or reorder, the rest of a partial write is sent even when its writer
 is cancelled, a cancelled writer writes nothing, a closed peer is reported as ``Closed``, TLS
 streams take Hypercorn's own path, and ``sieproxy serve`` and ``sieproxy.asgi`` install the
-class.
+class. On a real gateway: streamed bodies go out through ``chunk_writer`` with framing that a
+strict HTTP/1.1 parser (h11, client side) accepts, on a connection that stays usable; an
+HTTP/1.0 client gets Hypercorn's framing; a connection that must close after its response is
+closed.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import socket
 from typing import Any
 
+import h11
 import hypercorn.trio.run as hypercorn_run
 import pytest
 import trio
 from hypercorn.config import Config
 from hypercorn.events import Closed, Event, RawData
+from hypercorn.protocol.events import Body
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio.tcp_server import TCPServer as HypercornTCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
 from sieproxy import hypercorn_io
 from sieproxy.hypercorn_io import TCPServer
 
-from .harness import running_gateway, sse_events
+from .harness import MODEL, Gateway, running_gateway, sse_events
 
 
 class _Protocol:
@@ -179,9 +187,7 @@ async def test_serve_installs_it(monkeypatch: pytest.MonkeyPatch) -> None:
         assert r.status_code == 200 and sse_events(r.text)[-1] == "[DONE]"
 
 
-def test_install_and_the_asgi_entry_point(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
-) -> None:
+def test_install_and_the_asgi_entry_point(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     # monkeypatch puts Hypercorn's own class back afterwards
     monkeypatch.setattr(hypercorn_run, "TCPServer", object)
     hypercorn_io.install()
@@ -195,3 +201,187 @@ def test_install_and_the_asgi_entry_point(
 
     importlib.reload(sieproxy.asgi)
     assert hypercorn_run.TCPServer is TCPServer  # type: ignore[attr-defined]
+
+
+# --- chunk_writer: streamed bodies framed by the gateway, on a real gateway ---------------------
+
+
+class _Paths:
+    """Counts body pieces by the way they reach the socket: through h11 (``Body`` events at
+    Hypercorn's HTTP/1.1 protocol) or through ``chunk_writer``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.h11_bodies = 0
+        self.direct = 0
+        stream_send = H11Protocol.stream_send
+        write = hypercorn_io._ChunkWriter.write
+
+        async def counting_stream_send(proto: H11Protocol, event: Any) -> None:
+            self.h11_bodies += isinstance(event, Body)
+            await stream_send(proto, event)
+
+        async def counting_write(w: Any, data: bytes) -> None:
+            self.direct += 1
+            await write(w, data)
+
+        monkeypatch.setattr(H11Protocol, "stream_send", counting_stream_send)
+        monkeypatch.setattr(hypercorn_io._ChunkWriter, "write", counting_write)
+
+    def reset(self) -> None:  # the harness's readiness probes went h11's way
+        self.h11_bodies = self.direct = 0
+
+
+def _post(path: str, body: dict[str, Any], **headers: str) -> h11.Request:
+    data = json.dumps(body).encode()
+    hdrs = [("Host", "gateway"), ("Content-Type", "application/json")]
+    hdrs += [("Content-Length", str(len(data))), *headers.items()]
+    return h11.Request(method="POST", target=path, headers=hdrs), data  # type: ignore[return-value]
+
+
+async def _exchange(
+    sock: trio.SocketStream, conn: h11.Connection, req: Any, data: bytes
+) -> tuple[h11.Response, bytes]:
+    """One request/response on a kept-alive connection, parsed strictly by h11 (client side)."""
+    await sock.send_all(
+        conn.send(req) + conn.send(h11.Data(data=data)) + conn.send(h11.EndOfMessage())
+    )
+    head: h11.Response | None = None
+    body = bytearray()
+    while True:
+        ev = conn.next_event()
+        if ev is h11.NEED_DATA:
+            got = await sock.receive_some(65536)
+            assert got, "the gateway closed the connection mid-response"
+            conn.receive_data(got)
+        elif isinstance(ev, h11.Response):
+            head = ev
+        elif isinstance(ev, h11.Data):
+            body += ev.data
+        elif isinstance(ev, h11.EndOfMessage):
+            assert head is not None
+            conn.start_next_cycle()
+            return head, bytes(body)
+
+
+async def _until_closed(gw: Gateway, raw: bytes) -> bytes:
+    """Send ``raw`` on a new connection; everything the gateway sends until it closes it."""
+    host, port = gw.url.removeprefix("http://").split(":")
+    got = bytearray()
+    with trio.fail_after(10):
+        sock = await trio.open_tcp_stream(host, int(port))
+        await sock.send_all(raw)
+        while chunk := await sock.receive_some(65536):
+            got += chunk
+    await sock.aclose()
+    return bytes(got)
+
+
+def _chat(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+async def test_streamed_bodies_are_framed_directly_and_the_connection_stays_usable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A streamed chat on a kept-alive HTTP/1.1 connection: every piece of the body after the
+    head goes out through ``chunk_writer`` (none through h11), h11 on the client side parses
+    the framing (so every chunk and the final ``0\\r\\n\\r\\n`` are well formed), and the same
+    connection then serves a non-streamed request (its answer goes out as one chunk) and a
+    streamed legacy completion."""
+    paths = _Paths(monkeypatch)
+    async with running_gateway() as gw:
+        host, port = gw.url.removeprefix("http://").split(":")
+        paths.reset()
+        sock = await trio.open_tcp_stream(host, int(port))
+        conn = h11.Connection(h11.CLIENT)
+        with trio.fail_after(20):
+            head, body = await _exchange(
+                sock, conn, *_post("/v1/chat/completions", _chat(stream=True, max_tokens=12))
+            )
+            assert head.status_code == 200
+            assert (b"transfer-encoding", b"chunked") in head.headers
+            events = sse_events(body.decode())
+            assert events[-1] == "[DONE]" and len(events) >= 13  # role, 12 tokens, finish
+            assert paths.h11_bodies == 0 and paths.direct >= 2
+            direct = paths.direct
+
+            head, body = await _exchange(
+                sock, conn, *_post("/v1/chat/completions", _chat(max_tokens=3))
+            )
+            assert head.status_code == 200
+            assert json.loads(body)["object"] == "chat.completion"
+            assert paths.direct == direct + 1 and paths.h11_bodies == 0  # the answer: one piece
+            direct = paths.direct
+
+            head, body = await _exchange(
+                sock,
+                conn,
+                *_post(
+                    "/v1/completions",
+                    {"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 4},
+                ),
+            )
+            assert head.status_code == 200 and sse_events(body.decode())[-1] == "[DONE]"
+            assert paths.direct > direct
+        await sock.aclose()
+
+
+async def test_an_http10_client_gets_hypercorns_framing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HTTP/1.0 has no chunked framing: h11 delimits the body by closing the connection, and
+    the gateway leaves every piece to it."""
+    paths = _Paths(monkeypatch)
+    async with running_gateway() as gw:
+        paths.reset()
+        data = json.dumps(_chat(stream=True, max_tokens=6)).encode()
+        raw = (
+            b"POST /v1/chat/completions HTTP/1.0\r\nHost: gateway\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%b" % (len(data), data)
+        )
+        head, _, body = (await _until_closed(gw, raw)).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"chunked" not in head.lower()
+        assert sse_events(body.decode())[-1] == "[DONE]"
+        assert paths.direct == 0 and paths.h11_bodies >= 2
+
+
+async def test_no_chunk_writer_outside_a_served_connection() -> None:
+    assert hypercorn_io.chunk_writer() is None
+
+
+async def test_the_chunk_writer_frames_pieces_and_skips_empty_ones() -> None:
+    mine, peer = _pair()
+    server, _ = _server(mine)
+    stream = HTTPStream.__new__(HTTPStream)
+    stream.closed = False
+    w = hypercorn_io._ChunkWriter(server, stream)
+    await w.write(b"data: a\n\n")
+    await w.write(b"")  # would read as the end of the body if framed
+    await w.write(b"x" * 300)
+    want = b"9\r\ndata: a\n\n\r\n" + b"12c\r\n" + b"x" * 300 + b"\r\n"
+    assert await _read_exactly(peer, len(want)) == want
+    stream.closed = True  # the client is gone: nothing more is written
+    await w.write(b"late")
+    await server.protocol_send(RawData(data=b"end"))
+    assert await _read_exactly(peer, 3) == b"end"
+
+
+@pytest.mark.parametrize(
+    "request_line",
+    [
+        b"GET /healthz HTTP/1.0\r\nHost: g\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%b",
+    ],
+    ids=["http10", "close", "close-stream"],
+)
+async def test_a_connection_that_must_close_is_closed_after_the_response(
+    request_line: bytes,
+) -> None:
+    """Quart-Trio cancels the app's task as the response ends, in the step where Hypercorn
+    closes such a connection; unshielded, the close was cancelled and the client waited for
+    ever (for HTTP/1.0 the close is what ends the body)."""
+    if b"%d" in request_line:
+        data = json.dumps(_chat(stream=True, max_tokens=4)).encode()
+        request_line = request_line % (len(data), data)
+    async with running_gateway() as gw:
+        assert (await _until_closed(gw, request_line)).startswith(b"HTTP/1.1 200")

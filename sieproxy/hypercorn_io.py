@@ -33,15 +33,15 @@ close is therefore shielded here; it cannot block (shutdown of the write side, t
 app sends passes through Hypercorn's ``HTTPStream.app_send`` (a ``Body`` event and a copy), its
 ``H11Protocol`` (an ``h11.Data`` event through h11's state machine, which frames it as a chunk
 and joins the pieces: another copy) and a ``RawData`` event, before it reaches the socket write
-above: about a tenth of the gateway's CPU per relayed token (bench/RESULTS.md). When h11 frames
-the response as chunks (an HTTP/1.1 client, no ``Content-Length``) — a framing that keeps no
-state between chunks — the writer frames each piece itself (``<hex length>\r\n<bytes>\r\n``,
-exactly what h11 writes) and hands it to the connection's write. The head and the end of the
-body still go through ASGI, so h11 and Hypercorn see the whole exchange: the status line and
-headers, ``0\r\n\r\n`` at the end, keep-alive and the next request on the connection. Where the
-conditions do not hold (an HTTP/1.0 client, HTTP/2, another server, a body with a length) it
-returns ``None`` and the caller sends through ASGI. Over TLS the framed chunk takes Hypercorn's
-own write, as above.
+above: about a tenth of the gateway's CPU per relayed token (bench/RESULTS.md). When h11
+frames the response as chunks (an HTTP/1.1 client, no ``Content-Length``) — a framing that
+keeps no state between chunks — the writer frames each piece itself (the length in hex, CRLF,
+the bytes, CRLF: exactly what h11 writes) and hands it to the connection's write. The head
+and the end of the body still go through ASGI, so h11 and Hypercorn see the whole exchange:
+the status line and headers, the empty last chunk, keep-alive and the next request on the
+connection. Where the conditions do not hold (an HTTP/1.0 client, HTTP/2, another server, a
+body with a length) it returns ``None`` and the caller sends through ASGI. Over TLS the framed
+chunk takes Hypercorn's own write, as above.
 
 The connection is found through a context variable set when it starts serving: Hypercorn
 spawns the app's task from the connection's own task, and a Trio task inherits its spawner's

@@ -2,7 +2,7 @@
 
 ``python -m bench.hyperrelay PORT ENGINE_PORT`` serves a raw ASGI app (no Quart) with
 Hypercorn's Trio worker, configured as ``sieproxy serve`` configures it: its client-write path
-(``sieproxy.hypercorn_io``), its framing of streamed bodies (``chunk_writer``, as the gateway
+(``sieproxy.hypercorn_io``), its framing of streamed bodies (``body_writer``, as the gateway
 sends them) and the serving process's garbage-collector tuning. Each ``POST`` is forwarded to
 the same path on the engine through the gateway's own upstream client
 (``sieproxy.engine_client``), and the engine's response body — already OpenAI chunks — is
@@ -25,7 +25,7 @@ from hypercorn.trio import serve
 
 from sieproxy.core.errors import GatewayError
 from sieproxy.engine_client import EngineClient
-from sieproxy.hypercorn_io import chunk_writer
+from sieproxy.hypercorn_io import body_writer
 from sieproxy.hypercorn_io import install as install_hypercorn_io
 from sieproxy.serve import tune_gc
 from sieproxy.settings import GatewaySettings
@@ -47,12 +47,9 @@ async def _relay(engine: str, client: EngineClient, path: str, body: bytes, send
         async with client._post(engine, path, msgspec.json.decode(body), ok_only=True) as resp:
             await send({"type": "http.response.start", "status": 200, "headers": _SSE})
             started = True
-            write = chunk_writer()
+            write = body_writer(send)
             while data := await resp.receive():
-                if write is not None:
-                    await write(data)
-                else:
-                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                await write(data)
     except GatewayError as exc:
         if started:  # the engine broke mid-stream: end the body (the client sees no [DONE])
             await send({"type": "http.response.body", "body": b""})

@@ -17,7 +17,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -41,7 +41,7 @@ from .core.errors import (
 from .core.pipeline import build_chat, build_completion
 from .core.profile import ModelProfile
 from .engine_client import EngineClient
-from .hypercorn_io import chunk_writer
+from .hypercorn_io import body_writer
 from .observe import Observer
 from .pool import ModelPool, RouteHints
 from .relay import GenerationBody, RequestStats, WaitTimer
@@ -127,7 +127,7 @@ class GatewayHTTPConnection(TrioASGIHTTPConnection):
                 for k, v in response.headers.items()
             ]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
-            write = chunk_writer() or _asgi_writer(send)
+            write = body_writer(send)
             data: bytes | None = head
             while data is not None:
                 if data:
@@ -139,13 +139,6 @@ class GatewayHTTPConnection(TrioASGIHTTPConnection):
                 except StopAsyncIteration:
                     data = None
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-def _asgi_writer(send: Any) -> Callable[[bytes], Awaitable[None]]:
-    async def write(data: bytes) -> None:
-        await send({"type": "http.response.body", "body": data, "more_body": True})
-
-    return write
 
 
 async def _send_whole(send: Any, resp: Response) -> None:

@@ -40,8 +40,8 @@ the bytes, CRLF: exactly what h11 writes) and hands it to the connection's write
 and the end of the body still go through ASGI, so h11 and Hypercorn see the whole exchange:
 the status line and headers, the empty last chunk, keep-alive and the next request on the
 connection. Where the conditions do not hold (an HTTP/1.0 client, HTTP/2, another server, a
-body with a length) it returns ``None`` and the caller sends through ASGI. Over TLS the framed
-chunk takes Hypercorn's own write, as above.
+body with a length) it returns ``None``, and ``body_writer()`` — what the gateway calls — sends
+through ASGI instead. Over TLS the framed chunk takes Hypercorn's own write, as above.
 
 The connection is found through a context variable set when it starts serving: Hypercorn
 spawns the app's task from the connection's own task, and a Trio task inherits its spawner's
@@ -60,6 +60,7 @@ from __future__ import annotations
 import os
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
+from typing import Any
 
 import h11
 import trio
@@ -70,7 +71,9 @@ from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio.tcp_server import TCPServer as HypercornTCPServer
 
-__all__ = ["TCPServer", "chunk_writer", "install"]
+__all__ = ["BodyWrite", "TCPServer", "body_writer", "chunk_writer", "install"]
+
+BodyWrite = Callable[[bytes], Awaitable[None]]
 
 _SERVING: ContextVar[TCPServer | None] = ContextVar("sieproxy_connection", default=None)
 
@@ -132,7 +135,7 @@ class _ChunkWriter:
         await self._server.write(b"%x\r\n%b\r\n" % (len(data), data))
 
 
-def chunk_writer() -> Callable[[bytes], Awaitable[None]] | None:
+def chunk_writer() -> BodyWrite | None:
     """In the task of an ASGI app served by ``TCPServer`` over HTTP/1.1, once it has sent
     ``http.response.start``: a function that sends one piece of the body as a chunk straight to
     the connection, or ``None`` where the body is not chunked or the connection is not one of
@@ -140,7 +143,7 @@ def chunk_writer() -> Callable[[bytes], Awaitable[None]] | None:
     server = _SERVING.get()
     if server is None:
         return None
-    proto = getattr(getattr(server, "protocol", None), "protocol", None)
+    proto = server.protocol.protocol  # set before the connection spawns any app task
     if type(proto) is not H11Protocol:
         return None
     conn = proto.connection
@@ -151,9 +154,23 @@ def chunk_writer() -> Callable[[bytes], Awaitable[None]] | None:
     ):
         return None
     stream = proto.stream
-    if type(stream) is not HTTPStream or stream.closed:
+    if type(stream) is not HTTPStream:
         return None
     return _ChunkWriter(server, stream).write
+
+
+def body_writer(send: Callable[[dict[str, Any]], Awaitable[None]]) -> BodyWrite:
+    """The way to send the pieces of a response body after ``http.response.start``:
+    ``chunk_writer()`` where it applies, else ASGI ``http.response.body`` messages on ``send``
+    (the body's end is sent through ASGI either way)."""
+    direct = chunk_writer()
+    if direct is not None:
+        return direct
+
+    async def write(data: bytes) -> None:
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+
+    return write
 
 
 def install() -> None:

@@ -158,11 +158,10 @@ class _Inline:
     last: float = 0.0  # when the engine last sent bytes (the gap limit counts from there)
     opened: bool = False  # the engine may be generating this rid
     ended: bool = False
-    # WaitTimer state: whether this reader has an entry in the timer's heap (its limit only
-    # moves later, so one entry at a time suffices), the entry's holder (emptied when the
-    # reader ends), whether the reader is parked waiting for the engine, and whether the timer
-    # closed the connection under it.
-    armed: bool = False
+    # WaitTimer state: the holder of this reader's entry in the timer's heap while it has one
+    # (its limit only moves later, so one entry at a time suffices; emptied when the reader
+    # ends), whether the reader is parked waiting for the engine, and whether the timer closed
+    # the connection under it.
     holder: list[GenerationBody | None] | None = None
     waiting: bool = False
     fired: bool = False
@@ -544,8 +543,7 @@ class GenerationBody(ResponseBody):
                         if not scope.cancelled_caught:
                             continue
                         return await self._inline_end(self._expired(0, reader))
-                    if not il.armed:
-                        il.armed = True
+                    if il.holder is None:
                         il.holder = [self]
                         timer.arm(limit, il.holder)
                     il.waiting = True
@@ -598,7 +596,7 @@ class GenerationBody(ResponseBody):
         limit = min(self._deadline, il.last + self._g.token_gap_timeout)
         if limit > now:
             return limit  # still armed: the timer re-pushes the same holder
-        il.armed = False
+        il.holder = None  # the timer dropped the entry
         if il.waiting and il.resp is not None:
             il.fired = True
             il.resp.close()
@@ -609,8 +607,8 @@ class GenerationBody(ResponseBody):
         if il is None or il.ended:
             return
         il.ended = True
-        if il.armed:
-            assert il.holder is not None and self._timer is not None
+        if il.holder is not None:
+            assert self._timer is not None
             il.holder[0] = None  # the timer's entry no longer keeps this body alive
             self._timer.drop()
         if il.opened:

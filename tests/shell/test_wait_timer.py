@@ -1,8 +1,9 @@
 """The inline reader's gap/deadline timer (``relay.WaitTimer``): one task per process instead of a
 cancel scope per upstream wait. It must fire at the limit (not at some later sweep), follow a
-limit that moves later, wake early for an earlier entry, keep no ended body alive, and the
-gateway must still time out a hung engine at the configured gap — with the timer task and,
-where no timer task runs, with the per-wait cancel scope it replaces."""
+limit that moves later, wake early for an earlier entry, keep no ended body alive, let a reader
+whose limit passed between reads arm again, and the gateway must still time out a hung engine
+at the configured gap — with the timer task and, where no timer task runs, with the per-wait
+cancel scope it replaces."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import trio
 import trio.testing
 
 from engine.fake import FakeEngine, Fault, Plan
-from sieproxy.relay import WaitTimer
+from sieproxy.relay import GenerationBody, WaitTimer, _Inline
 
 from .harness import running_gateway
 from .test_faults import (
@@ -112,6 +113,40 @@ def test_emptied_holders_are_skipped_and_compacted() -> None:
     assert all(not r.calls for r in readers[:200])
     assert all(len(r.calls) == 1 for r in readers[200:])
     assert len(timer) == 0
+
+
+class _Resp:
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _due_body(waiting: bool) -> tuple[GenerationBody, _Inline, _Resp]:
+    """A body whose inline reader has a timer entry; its engine last sent bytes at 0, gap 1 s."""
+    body = GenerationBody.__new__(GenerationBody)
+    body._deadline = 100.0
+    body._g = type("G", (), {"token_gap_timeout": 1.0})()  # type: ignore[assignment]
+    resp = _Resp()
+    il = _Inline(resp=resp, last=0.0, waiting=waiting)  # type: ignore[arg-type]
+    il.holder = [body]
+    body._il = il
+    return body, il, resp
+
+
+@pytest.mark.parametrize("waiting", [True, False], ids=["waiting", "between-reads"])
+def test_an_entry_due_after_its_limit_is_dropped_and_the_next_wait_re_arms(
+    waiting: bool,
+) -> None:
+    """Limit passed: a waiting reader's connection is closed under it; a reader between reads
+    (processing, or writing to its client) is left alone, and its entry is gone, so its next
+    wait arms a new one (which is due at once). A limit that moved later is re-armed."""
+    body, il, resp = _due_body(waiting)
+    assert body.timer_due(0.5) == 1.0  # the limit is still ahead: re-armed there
+    assert il.holder is not None and not resp.closed
+    assert body.timer_due(1.5) is None
+    assert il.holder is None, "the reader would never arm again: a later hang not timed out"
+    assert resp.closed is waiting and il.fired is waiting
 
 
 @pytest.mark.parametrize("with_timer", [True, False], ids=["timer-task", "cancel-scope"])

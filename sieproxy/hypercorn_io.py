@@ -9,7 +9,8 @@ that machinery cost more than the ``send`` system call itself (bench/RESULTS.md)
 ``TCPServer`` below keeps Hypercorn's behaviour and changes only the common case: a plain-TCP
 connection with no write in progress writes the bytes to the descriptor at once and then yields
 to the scheduler once (a write stays a scheduling point, so one busy stream cannot starve the
-others). Everything else goes the way Hypercorn sends it:
+others; a streamed piece yields only when needed, see ``chunk_writer`` below). Everything else
+goes the way Hypercorn sends it:
 
 * TLS connections (``SSLStream``), and any event other than response bytes;
 * the rest of a partial write (a client reading slower than the gateway writes): it is sent
@@ -42,6 +43,12 @@ the status line and headers, the empty last chunk, keep-alive and the next reque
 connection. Where the conditions do not hold (an HTTP/1.0 client, HTTP/2, another server, a
 body with a length) it returns ``None``, and ``body_writer()`` — what the gateway calls — sends
 through ASGI instead. Over TLS the framed chunk takes Hypercorn's own write, as above.
+
+A piece written this way yields to the scheduler only if the response's task has not yielded
+since its previous piece. A relay that waited for the bytes it writes already has, so a
+streamed token costs one scheduling round trip, not two; pieces whose bytes were already there
+still yield between them, so a busy stream cannot starve the others. The count of yields is a
+private counter Trio keeps on each task; without it, every piece yields.
 
 The connection is found through a context variable set when it starts serving: Hypercorn
 spawns the app's task from the connection's own task, and a Trio task inherits its spawner's
@@ -96,8 +103,10 @@ class TCPServer(HypercornTCPServer):
         else:
             await super().protocol_send(event)
 
-    async def write(self, data: bytes) -> None:
-        """Send ``data`` on the connection (the way described in the module docstring)."""
+    async def write(self, data: bytes, *, settle: bool = True) -> None:
+        """Send ``data`` on the connection (the way described in the module docstring). With
+        ``settle=False`` a write the socket takes at once is not a scheduling point: the caller
+        yields itself (``_ChunkWriter``)."""
         stream: trio.abc.Stream = self.stream  # typed SSLStream by Hypercorn; plain TCP is not
         if not isinstance(stream, trio.SocketStream) or self.send_lock.locked():
             await super().protocol_send(RawData(data=data))
@@ -111,7 +120,8 @@ class TCPServer(HypercornTCPServer):
             await self.protocol.handle(Closed())
             return
         if sent == len(data):
-            await trio.lowlevel.cancel_shielded_checkpoint()
+            if settle:
+                await trio.lowlevel.cancel_shielded_checkpoint()
             return
         # The rest goes Hypercorn's way. Nothing since the cancellation check has yielded, so
         # it reaches Hypercorn's lock and shielded write uncancelled: a response is never cut
@@ -120,11 +130,13 @@ class TCPServer(HypercornTCPServer):
 
 
 class _ChunkWriter:
-    __slots__ = ("_server", "_stream")
+    __slots__ = ("_mark", "_server", "_stream", "_task")
 
     def __init__(self, server: TCPServer, stream: HTTPStream) -> None:
         self._server = server
         self._stream = stream
+        self._task = trio.lowlevel.current_task()
+        self._mark = _yields(self._task)
 
     async def write(self, data: bytes) -> None:
         if not data:  # an empty chunk would end the body
@@ -132,7 +144,21 @@ class _ChunkWriter:
         if self._stream.closed:  # the client is gone; Hypercorn's own path drops it too
             await trio.lowlevel.checkpoint()
             return
-        await self._server.write(b"%x\r\n%b\r\n" % (len(data), data))
+        await self._server.write(b"%x\r\n%b\r\n" % (len(data), data), settle=False)
+        # A scheduling point only if the task has not let others run since the last write: a
+        # relay loop that waited for its next bytes has (the usual case: one yield per chunk,
+        # not two); one that found them already there yields here, so it cannot starve others.
+        mark = _yields(self._task)
+        if mark is None or mark == self._mark:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            mark = _yields(self._task)
+        self._mark = mark
+
+
+def _yields(task: trio.lowlevel.Task) -> int | None:
+    """How many times ``task`` has yielded to Trio's scheduler (a private counter Trio keeps
+    on every task; None if a Trio release drops it: then every write yields, as before)."""
+    return getattr(task, "_schedule_points", None)
 
 
 def chunk_writer() -> BodyWrite | None:

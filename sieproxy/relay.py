@@ -121,7 +121,8 @@ async def _put(send: trio.MemorySendChannel[Event], ev: Event) -> None:
 
 async def _take(recv: trio.MemoryReceiveChannel[Event]) -> Event:
     """``recv.receive()`` without its scheduling round trip when an event is already buffered
-    (the response's next write is a checkpoint anyway); raises ``EndOfChannel`` at the end."""
+    (the response's next write then yields: ``hypercorn_io``); raises ``EndOfChannel`` at the
+    end."""
     try:
         return recv.receive_nowait()
     except trio.WouldBlock:

@@ -21,6 +21,7 @@ import h11
 import hypercorn.trio.run as hypercorn_run
 import pytest
 import trio
+import trio.testing
 from hypercorn.config import Config
 from hypercorn.events import Closed, Event, RawData
 from hypercorn.protocol.events import Body
@@ -347,21 +348,68 @@ async def test_no_chunk_writer_outside_a_served_connection() -> None:
     assert hypercorn_io.chunk_writer() is None
 
 
+def _chunk_writer(server: TCPServer) -> hypercorn_io._ChunkWriter:
+    stream = HTTPStream.__new__(HTTPStream)
+    stream.closed = False
+    return hypercorn_io._ChunkWriter(server, stream)
+
+
 async def test_the_chunk_writer_frames_pieces_and_skips_empty_ones() -> None:
     mine, peer = _pair()
     server, _ = _server(mine)
-    stream = HTTPStream.__new__(HTTPStream)
-    stream.closed = False
-    w = hypercorn_io._ChunkWriter(server, stream)
+    w = _chunk_writer(server)
     await w.write(b"data: a\n\n")
     await w.write(b"")  # would read as the end of the body if framed
     await w.write(b"x" * 300)
     want = b"9\r\ndata: a\n\n\r\n" + b"12c\r\n" + b"x" * 300 + b"\r\n"
     assert await _read_exactly(peer, len(want)) == want
-    stream.closed = True  # the client is gone: nothing more is written
+    w._stream.closed = True  # the client is gone: nothing more is written
     await w.write(b"late")
     await server.protocol_send(RawData(data=b"end"))
     assert await _read_exactly(peer, 3) == b"end"
+
+
+async def test_the_chunk_writer_yields_once_per_piece_only_when_nothing_else_did() -> None:
+    """A relay that waited for its next bytes has already let other tasks run: writing them
+    adds no second scheduling point. A piece written right after another (its bytes were
+    already there) yields, so one busy stream cannot starve the others."""
+    mine, peer = _pair()
+    server, _ = _server(mine)
+    w = _chunk_writer(server)
+    ticks = 0
+
+    async def ticker() -> None:  # runs whenever the writer's task lets others run
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+        for piece in (b"a", b"b"):
+            await trio.lowlevel.checkpoint()  # as a relay's wait for its bytes does
+            before = ticks
+            await w.write(piece)
+            assert ticks == before  # nothing else ran: the write did not yield
+            for _ in range(3):  # nothing in between: each write yields
+                with trio.testing.assert_checkpoints():
+                    await w.write(piece)
+        nursery.cancel_scope.cancel()
+    want = b"1\r\na\r\n" * 4 + b"1\r\nb\r\n" * 4
+    assert await _read_exactly(peer, len(want)) == want
+
+
+async def test_without_trios_yield_counter_every_piece_yields(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mine, peer = _pair()
+    server, _ = _server(mine)
+    monkeypatch.setattr(hypercorn_io, "_yields", lambda task: None)
+    w = _chunk_writer(server)
+    await trio.lowlevel.checkpoint()
+    with trio.testing.assert_checkpoints():
+        await w.write(b"a")
+    assert await _read_exactly(peer, 6) == b"1\r\na\r\n"
 
 
 @pytest.mark.parametrize(

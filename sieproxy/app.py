@@ -1,11 +1,21 @@
 """The Quart-Trio application: routes, status decisions, error envelopes.
 
-Every status decision for a generation request happens before its status line is sent: the view
-checks auth (401), body size (413), decodes and validates (400), finds the model (404), checks
-routing headers (400) and readiness/admission (503); then :class:`GatewayHTTPConnection` enters
-the response body and *primes* it (first upstream event, or the whole answer when not streaming)
-before sending ``http.response.start``, so an engine that fails before producing anything still
-yields a proper status (503 + Retry-After, 500 "malformed", ...), never a 200 with an error.
+The two generation routes (``POST /v1/chat/completions``, ``POST /v1/completions``) are answered
+by :class:`GatewayHTTPConnection` straight from the ASGI scope, before Quart builds a request
+object or routes it (:func:`_serve_generation`): Quart's per-request machinery (its ``Request``
+with every header re-cased, the request and app contexts, URL matching, the hooks, the body
+handed over by a second task, the ``Response``) cost about a third of the gateway's own time to
+first token at one client (docs/DESIGN.md). Every other request — other paths, other methods on
+these paths (405 with ``Allow: POST``), health, metrics, models — goes through Quart as usual.
+
+Every status decision for a generation request happens before its status line is sent: auth
+(401), draining (503), body size (413) and type (400), decoding and validation (400), the model
+(404), routing headers (400) and readiness/admission (503); then the response body is entered
+and *primed* (first upstream event, or the whole answer when not streaming) before
+``http.response.start`` is sent, so an engine that fails before producing anything still yields
+a proper status (503 + Retry-After, 500 "malformed", ...), never a 200 with an error. An error
+answered before the request body was read closes the connection (the unread body would wedge
+it), as for every other route.
 
 Quart's ``RESPONSE_TIMEOUT`` (60 s by default) would silently cut a long stream; it is disabled,
 and the gateway's own deadlines end streams with an SSE error event instead.
@@ -19,7 +29,8 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
+from urllib.parse import urlparse
 
 import msgspec
 import trio
@@ -54,7 +65,8 @@ log = logging.getLogger("sieproxy.app")
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _json = msgspec.json.Encoder()
 _JSON_CT = "application/json"
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_JSON_CT_B = b"application/json"
+_SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
 @dataclass
@@ -83,67 +95,229 @@ def _error_response(err: GatewayError, request_id: str | None = None) -> Respons
 
 
 class GatewayHTTPConnection(TrioASGIHTTPConnection):
-    """Sends generation bodies only after priming them (see the module docstring)."""
+    """Answers ``POST`` on the generation routes itself (see the module docstring); hands every
+    other request to Quart."""
 
-    async def handle_request(  # type: ignore[override]
-        self, nursery: Any, request: Any, send: Any
-    ) -> None:
-        try:
-            await super().handle_request(nursery, request, send)
-        finally:
-            # A client gone between the view and the body leaves a body never entered:
-            # give back its admission slots (entered bodies release in __aexit__).
-            body = getattr(request, "sie_body", None)
-            if isinstance(body, GenerationBody) and not body.entered:
-                body.discard()
-                body.active.discard(body)
-
-    async def _send_response(self, send: Any, response: Any) -> None:
-        body = getattr(response, "response", None)
-        if not isinstance(body, GenerationBody):
-            await super()._send_response(send, response)
+    async def __call__(self, receive: Any, send: Any) -> None:
+        scope = self.scope
+        endpoint = _GENERATION.get(_route_path(scope)) if scope["method"] == "POST" else None
+        if endpoint is None:
+            await super().__call__(receive, send)
             return
-        try:
-            await self._send_generation(send, response, body)
-        finally:
-            body.active.discard(body)  # only once its last byte is out (graceful drain)
+        state: GatewayState = self.app.extensions["sieproxy"]
+        body_timeout = float(self.app.config["BODY_TIMEOUT"])
+        await _serve_generation(state, endpoint, body_timeout, scope, receive, send)
 
-    async def _send_generation(self, send: Any, response: Any, body: GenerationBody) -> None:
-        async with body:
+
+#: The generation routes and their endpoint labels (metrics, logs).
+_GENERATION = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+#: The request headers a generation request reads (ASGI header names are lower case).
+_WANTED = frozenset(
+    (
+        b"authorization",
+        b"content-length",
+        b"content-type",
+        b"x-request-id",
+        b"x-sie-machine-profile",
+        b"x-sie-pool",
+        b"x-sie-sdk-version",
+    )
+)
+
+
+def _route_path(scope: Any) -> str:
+    """The path Quart would route (it strips the ``root_path`` the app is mounted at)."""
+    path: str = scope["path"]
+    if path[:1] != "/":
+        path = urlparse(path).path
+    root: str = scope.get("root_path", "")
+    if root:
+        _, sep, tail = path.partition(root)
+        path = (tail or " ") if sep else " "
+    return path
+
+
+class _ClientGone(Exception):
+    """The client left before its request body arrived: nothing is answered."""
+
+
+async def _watch_disconnect(receive: Any, scope: trio.CancelScope) -> None:
+    """Read what is left of the request (discarded) until the client leaves, then cancel the
+    response, as Quart-Trio's message task does."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+async def _serve_generation(
+    state: GatewayState, endpoint: str, body_timeout: float, scope: Any, receive: Any, send: Any
+) -> None:
+    headers: dict[bytes, str] = {}
+    for name, value in scope["headers"]:
+        if name in _WANTED and name not in headers:  # the first one, as Quart's get() returns
+            headers[name] = value.decode("latin-1")
+    rid = _request_id(headers.get(b"x-request-id"))
+    consumed = False  # the request body was read to its end
+    async with trio.open_nursery() as nursery:
+        body: GenerationBody | None = None
+        try:
             try:
-                head = await body.prime()
+                _check_auth(state, headers.get(b"authorization"))
+                g = state.settings.gateway
+                if state.draining:
+                    raise ServiceUnavailable(
+                        "The gateway is shutting down; retry on another instance.",
+                        retry_after=g.retry_after,
+                    )
+                raw = await _read_body(headers, receive, g.max_body_bytes, body_timeout)
+                consumed = True
+                nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
+                body = await _start(state, endpoint, rid, headers, raw)
             except GatewayError as err:
-                body.stats.error = err
-                await _send_whole(send, _error_response(err, body.stats.request_id))
+                state.observer.refusal(
+                    endpoint, err, request_id=rid, sdk_version=headers.get(b"x-sie-sdk-version")
+                )
+                await _send_whole(send, _error_response(err, rid), close=not consumed)
+                return
+            except _ClientGone:
                 return
             except Exception:
-                log.exception("request %s failed before the response", body.stats.request_id)
+                log.exception("unhandled error")
                 internal = InternalError("The gateway failed to process this request.")
-                body.stats.error = internal
-                await _send_whole(send, _error_response(internal, body.stats.request_id))
+                await _send_whole(send, _error_response(internal, rid), close=not consumed)
                 return
-            headers = [
-                (k.lower().encode("latin-1"), v.encode("latin-1"))
-                for k, v in response.headers.items()
-            ]
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            write = body_writer(send)
-            data: bytes | None = head
-            while data is not None:
-                if data:
-                    body.writing_since = trio.current_time()
-                    await write(data)
-                    body.writing_since = None
-                try:
-                    data = await body.__anext__()
-                except StopAsyncIteration:
-                    data = None
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            ctype = b"text/event-stream" if body.streaming else _JSON_CT_B
+            out = [(b"content-type", ctype), (b"x-request-id", rid.encode("latin-1"))]
+            if body.streaming:
+                out += _SSE_HEADERS
+            await _send_generation(send, out, body)
+        finally:
+            if body is not None:
+                if not body.entered:  # the client left before the body was entered
+                    body.discard()
+                state.active.discard(body)  # only once its last byte is out (graceful drain)
+            nursery.cancel_scope.cancel()
 
 
-async def _send_whole(send: Any, resp: Response) -> None:
+def _check_auth(state: GatewayState, raw: str | None) -> None:
+    state.auth.check(raw.encode("utf-8", "surrogateescape") if raw is not None else None)
+
+
+async def _read_body(
+    headers: dict[bytes, str], receive: Any, g_max: int, timeout: float
+) -> bytes:
+    length = headers.get(b"content-length")
+    if length is not None and int(length) > g_max:  # h11 has checked it is a number
+        raise BodyTooLarge(f"The request body is larger than the {g_max}-byte limit.")
+    ctype = headers.get(b"content-type")
+    if ctype is not None and ctype.split(";")[0].strip().lower() != _JSON_CT:
+        raise InvalidRequest(
+            "The request body must be JSON: send `Content-Type: application/json`."
+        )
+    parts: list[bytes] = []
+    size = 0
+    with trio.move_on_after(timeout) as scope:
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":  # http.disconnect
+                raise _ClientGone
+            data = msg.get("body", b"")
+            if data:
+                size += len(data)
+                if size > g_max:
+                    raise BodyTooLarge(
+                        f"The request body is larger than the {g_max}-byte limit."
+                    )
+                parts.append(data)
+            if not msg.get("more_body", False):
+                break
+    if scope.cancelled_caught:
+        raise InvalidRequest("The request body was not received in time.")
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def _start(
+    state: GatewayState, endpoint: str, rid: str, headers: dict[bytes, str], raw: bytes
+) -> GenerationBody:
+    """Plan the request and admit it: the response body, not entered yet (every status
+    decision before the body is primed is taken here)."""
+    g = state.settings.gateway
+    builder = build_chat if endpoint == "chat" else build_completion
+    plan = builder(raw, state.profiles, request_id=rid, created=state.created())
+    pool = state.pools[plan.model]
+    hints = RouteHints(
+        pool=headers.get(b"x-sie-pool") or None,
+        machine_profile=headers.get(b"x-sie-machine-profile") or None,
+        affinity_key=plan.affinity_key,
+    )
+    pool.check_hints(hints)
+    stats = RequestStats(
+        request_id=rid, model=plan.model, endpoint=endpoint, n=plan.n, stream=plan.stream
+    )
+    stats.sdk_version = headers.get(b"x-sie-sdk-version")
+    replica = await pool.acquire(hints, len(plan.bodies))
+    stats.replica = replica.url
+    usage = plan.usage
+
+    def finish(b: GenerationBody) -> None:
+        b.stats.prompt_tokens, b.stats.completion_tokens = usage()
+        state.observer.request_done(b.stats)
+
+    body = GenerationBody(
+        g=g,
+        client=state.client,
+        pool=pool,
+        replica=replica,
+        hints=hints,
+        bodies=plan.bodies,
+        shaper=plan.shaper,
+        streaming=plan.stream,
+        stats=stats,
+        losers=plan.losers,
+        on_done=finish,
+        timer=state.timer,
+    )
+    state.active.add(body)
+    body.active = state.active
+    return body
+
+
+async def _send_generation(
+    send: Any, headers: list[tuple[bytes, bytes]], body: GenerationBody
+) -> None:
+    async with body:
+        try:
+            head = await body.prime()
+        except GatewayError as err:
+            body.stats.error = err
+            await _send_whole(send, _error_response(err, body.stats.request_id))
+            return
+        except Exception:
+            log.exception("request %s failed before the response", body.stats.request_id)
+            internal = InternalError("The gateway failed to process this request.")
+            body.stats.error = internal
+            await _send_whole(send, _error_response(internal, body.stats.request_id))
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        write = body_writer(send)
+        data: bytes | None = head
+        while data is not None:
+            if data:
+                body.writing_since = trio.current_time()
+                await write(data)
+                body.writing_since = None
+            try:
+                data = await body.__anext__()
+            except StopAsyncIteration:
+                data = None
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _send_whole(send: Any, resp: Response, *, close: bool = False) -> None:
     data = await resp.get_data()
     headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.items()]
+    if close:
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": resp.status_code, "headers": headers})
     await send({"type": "http.response.body", "body": data, "more_body": False})
 
@@ -152,28 +326,11 @@ class GatewayApp(QuartTrio):
     asgi_http_class = GatewayHTTPConnection
 
 
-def _request_id(req: Request) -> str:
-    given = req.headers.get("X-Request-Id")
+def _request_id(given: str | None) -> str:
+    """The client's ``X-Request-Id`` if it is well formed, else a new one."""
     if given and _REQUEST_ID_RE.match(given):
         return given
     return uuid.uuid4().hex
-
-
-async def _read_body(req: Request, g_max: int, timeout: float) -> bytes:
-    if req.content_length is not None and req.content_length > g_max:
-        raise BodyTooLarge(f"The request body is larger than the {g_max}-byte limit.")
-    ctype = req.headers.get("Content-Type")
-    if ctype is not None and ctype.split(";")[0].strip().lower() != _JSON_CT:
-        raise InvalidRequest(
-            "The request body must be JSON: send `Content-Type: application/json`."
-        )
-    with trio.move_on_after(timeout) as scope:
-        data = await req.get_data(as_text=False, cache=False)
-    if scope.cancelled_caught:
-        raise InvalidRequest("The request body was not received in time.")
-    if len(data) > g_max:
-        raise BodyTooLarge(f"The request body is larger than the {g_max}-byte limit.")
-    return cast(bytes, data)
 
 
 def _body_consumed(req: Request) -> bool:
@@ -187,14 +344,15 @@ def create_app(state: GatewayState) -> Quart:
     app = GatewayApp("sieproxy")
     g = state.settings.gateway
     app.config["RESPONSE_TIMEOUT"] = None
-    app.config["BODY_TIMEOUT"] = 60
+    app.config["BODY_TIMEOUT"] = 60  # seconds for a request body to arrive, on every route
     app.config["MAX_CONTENT_LENGTH"] = g.max_body_bytes
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
     app.extensions["sieproxy"] = state
 
     @app.before_request
     async def _mint_request_id() -> None:
-        request.sie_request_id = _request_id(request)  # type: ignore[attr-defined]
+        rid = _request_id(request.headers.get("X-Request-Id"))
+        request.sie_request_id = rid  # type: ignore[attr-defined]
 
     @app.after_request
     async def _echo_request_id(resp: Response) -> Response:
@@ -207,18 +365,8 @@ def create_app(state: GatewayState) -> Quart:
             resp.headers["Connection"] = "close"
         return resp
 
-    _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-
     @app.errorhandler(GatewayError)
     async def _gateway_error(err: GatewayError) -> Response:
-        endpoint = _ENDPOINTS.get(request.path)
-        if endpoint is not None:  # refusals count too; the model label is never user text
-            state.observer.refusal(
-                endpoint,
-                err,
-                request_id=getattr(request, "sie_request_id", None),
-                sdk_version=request.headers.get("X-SIE-SDK-Version"),
-            )
         return _error_response(err, getattr(request, "sie_request_id", None))
 
     @app.errorhandler(HTTPException)
@@ -264,67 +412,10 @@ def create_app(state: GatewayState) -> Quart:
         raw = request.headers.get("Authorization")
         state.auth.check(raw.encode("utf-8", "surrogateescape") if raw is not None else None)
 
-    async def _generate(endpoint: str) -> Response:
-        rid: str = request.sie_request_id  # type: ignore[attr-defined]
-        _auth()
-        if state.draining:
-            raise ServiceUnavailable(
-                "The gateway is shutting down; retry on another instance.",
-                retry_after=g.retry_after,
-            )
-        raw = await _read_body(request, g.max_body_bytes, float(app.config["BODY_TIMEOUT"]))
-        builder = build_chat if endpoint == "chat" else build_completion
-        plan = builder(raw, state.profiles, request_id=rid, created=state.created())
-        pool = state.pools[plan.model]
-        hints = RouteHints(
-            pool=request.headers.get("X-SIE-Pool") or None,
-            machine_profile=request.headers.get("X-SIE-MACHINE-PROFILE") or None,
-            affinity_key=plan.affinity_key,
-        )
-        pool.check_hints(hints)
-        stats = RequestStats(
-            request_id=rid, model=plan.model, endpoint=endpoint, n=plan.n, stream=plan.stream
-        )
-        stats.sdk_version = request.headers.get("X-SIE-SDK-Version")
-        replica = await pool.acquire(hints, len(plan.bodies))
-        stats.replica = replica.url
-        body = GenerationBody(
-            g=g,
-            client=state.client,
-            pool=pool,
-            replica=replica,
-            hints=hints,
-            bodies=plan.bodies,
-            shaper=plan.shaper,
-            streaming=plan.stream,
-            stats=stats,
-            losers=plan.losers,
-            on_done=lambda b: _finish(b, plan.usage),
-            timer=state.timer,
-        )
-        state.active.add(body)
-        body.active = state.active
-        request.sie_body = body  # type: ignore[attr-defined]
-        ctype = "text/event-stream" if plan.stream else _JSON_CT
-        resp = Response(body, status=200, content_type=ctype)
-        resp.timeout = None
-        resp.headers["X-Request-Id"] = rid
-        if plan.stream:
-            for k, v in _SSE_HEADERS.items():
-                resp.headers[k] = v
-        return resp
-
-    def _finish(body: GenerationBody, usage: Callable[[], tuple[int, int]]) -> None:
-        body.stats.prompt_tokens, body.stats.completion_tokens = usage()
-        state.observer.request_done(body.stats)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions() -> Response:
-        return await _generate("chat")
-
-    @app.post("/v1/completions")
-    async def completions() -> Response:
-        return await _generate("completions")
+    # POST on the generation routes is answered before Quart routes it (GatewayHTTPConnection);
+    # the rules, with no view, are here so that any other method gets 405 with `Allow: POST`.
+    for path, endpoint in _GENERATION.items():
+        app.add_url_rule(path, endpoint, methods=["POST"])
 
     @app.get("/v1/models")
     async def models() -> Response:

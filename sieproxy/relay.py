@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-A :class:`GenerationBody` is the Quart response body of a generation request. The HTTP layer
+A :class:`GenerationBody` is the response body of a generation request. The HTTP layer
 (``app.GatewayHTTPConnection``) enters it (``__aenter__`` opens the request's nursery and starts
 one task per candidate), then calls :meth:`prime`, which waits for the first upstream event:
 
@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import trio
-from quart.wrappers.response import ResponseBody
 
 from .core.errors import (
     ClientStalled,
@@ -237,7 +236,7 @@ class WaitTimer:
             self._sleep = None
 
 
-class GenerationBody(ResponseBody):
+class GenerationBody:
     """The response body of one generation request (see the module docstring)."""
 
     def __init__(
@@ -307,7 +306,7 @@ class GenerationBody(ResponseBody):
         self._launch()
         return self
 
-    async def __aexit__(  # type: ignore[override]
+    async def __aexit__(
         self, exc_type: Any, exc: Any, tb: Any
     ) -> bool | None:
         self._cancel_all("client" if exc_type is not None else "done")

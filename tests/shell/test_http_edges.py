@@ -539,3 +539,107 @@ async def test_error_bodies_are_bare_envelopes() -> None:
             for r in await _gw_errors(gw):
                 envelope(r, r.status_code)
                 assert 400 <= r.status_code < 500, r.text
+
+
+# ---- the generation routes' own path -------------------------------------------------------
+
+
+async def test_generation_requests_skip_quarts_request_handling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """POST on the two generation routes is answered from the ASGI scope (app.py), errors
+    included; every other request still goes through Quart."""
+    from sieproxy.app import GatewayApp
+
+    seen: list[str] = []
+    handle = GatewayApp.handle_request
+
+    async def counting(self: Any, request: Any) -> Any:
+        seen.append(f"{request.method} {request.path}")
+        return await handle(self, request)
+
+    monkeypatch.setattr(GatewayApp, "handle_request", counting)
+    async with running_gateway() as gw:
+        with trio.fail_after(20):
+            seen.clear()
+            r = await gw.chat()
+            assert r.status_code == 200, r.text
+            r = await gw.chat(stream=True, n=2)
+            assert sse_events(r.text)[-1] == "[DONE]"
+            r = await gw.client.post(CMPL, json={**CMPL_BODY, "stream": True})
+            assert sse_events(r.text)[-1] == "[DONE]"
+            envelope(await gw.chat(model="no-such-model"), 404, param="model")
+            envelope(await gw.client.post(CHAT, content=b"{nope", headers=JSON_CT), 400)
+            assert seen == []
+            envelope(await gw.client.get(CHAT), 405)
+            assert (await gw.client.get("/v1/models")).status_code == 200
+            assert seen == [f"GET {CHAT}", "GET /v1/models"]
+
+
+async def test_a_mounted_gateway_serves_generation_under_its_root_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under an ASGI ``root_path`` (``hypercorn --root-path``) the generation routes are matched
+    as Quart matches its own: below the root path, and 404 outside it."""
+    import sieproxy.serve
+    from sieproxy.serve import hypercorn_config
+
+    def mounted(settings: Settings) -> Any:
+        cfg = hypercorn_config(settings)
+        cfg.root_path = "/api"
+        return cfg
+
+    monkeypatch.setattr(sieproxy.serve, "hypercorn_config", mounted)
+    async with running_gateway(wait_ready=False) as gw:
+        with trio.fail_after(20):
+            while (await gw.client.get("/api/readyz")).status_code != 200:
+                await trio.sleep(0.02)
+            r = await gw.client.post("/api" + CHAT, json=CHAT_BODY)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+            r = await gw.client.post("/api" + CMPL, json={**CMPL_BODY, "stream": True})
+            assert sse_events(r.text)[-1] == "[DONE]"
+            envelope(await gw.client.post(CHAT, json=CHAT_BODY), 404)
+            envelope(await gw.client.get("/api" + CHAT), 405)
+
+
+async def test_an_unexpected_failure_before_the_response_is_a_500_envelope(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import sieproxy.app
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug in planning")
+
+    monkeypatch.setattr(sieproxy.app, "build_chat", broken)
+    async with running_gateway() as gw:
+        with trio.fail_after(20):
+            r = await gw.chat(stream=True)
+            err = envelope(r, 500, type_="server_error")
+            assert "a bug" not in err["message"]
+            assert _RID_RE.match(r.headers["x-request-id"])
+            assert "unhandled error" in caplog.text
+            r = await gw.client.post(CMPL, json=CMPL_BODY)  # the other route is unaffected
+            assert r.status_code == 200, r.text
+
+
+async def test_a_client_gone_before_its_body_arrived_gets_nothing_and_costs_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with running_gateway() as gw:
+        host, port = gw.url.removeprefix("http://").rsplit(":", 1)
+        with trio.fail_after(20):
+            for _ in range(3):
+                stream = await trio.open_tcp_stream(host, int(port))
+                await stream.send_all(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"model\""
+                )
+                await trio.sleep(0.05)
+                await stream.aclose()
+            await trio.sleep(0.1)
+            assert not gw.state.active
+            assert [p for p, _ in gw.engines[0].requests if p == "/generate"] == []
+            r = await gw.chat()
+            assert r.status_code == 200, r.text
+        assert "unhandled error" not in caplog.text

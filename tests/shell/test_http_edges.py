@@ -6,6 +6,7 @@ for leaks (tracebacks, exception class names).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import AsyncIterator
@@ -643,3 +644,48 @@ async def test_a_client_gone_before_its_body_arrived_gets_nothing_and_costs_noth
             r = await gw.chat()
             assert r.status_code == 200, r.text
         assert "unhandled error" not in caplog.text
+
+
+def _connection_tasks() -> int:
+    """Hypercorn connection tasks alive in this Trio run (one per open client connection)."""
+    found = 0
+    todo = [trio.lowlevel.current_root_task()]
+    while todo:
+        task = todo.pop()
+        if task.name.endswith("_run_handler"):
+            found += 1
+        todo += [t for n in task.child_nurseries for t in n.child_tasks]
+    return found
+
+
+async def test_a_refused_upload_leaves_no_connection_task_behind() -> None:
+    """A 401 answered without reading an upload larger than Hypercorn's ASGI queue (the
+    generation path reads no body before auth): the client gets the answer, and the
+    connection's task ends instead of staying blocked on the full queue."""
+
+    def hook(settings: Settings) -> None:
+        settings.gateway.auth = True
+        settings.gateway.tokens = [TOKEN]
+
+    async with running_gateway(settings_hook=hook) as gw:
+        host, port = gw.url.removeprefix("http://").rsplit(":", 1)
+        with trio.fail_after(20):
+            await trio.sleep(0.1)  # the readiness client's connection settles
+            before = _connection_tasks()
+            stream = await trio.open_tcp_stream(host, int(port))
+            await stream.send_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+            )
+            got = b""
+            # 200 pieces at once: far more than Hypercorn's ASGI queue of 10 messages, parsed
+            # before the answer goes out
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await stream.send_all((b"100\r\n" + b"y" * 256 + b"\r\n") * 200)
+            with contextlib.suppress(trio.BrokenResourceError):
+                while data := await stream.receive_some(65536):
+                    got += data
+            await stream.aclose()
+            assert got.startswith(b"HTTP/1.1 401 "), got[:200]
+            while _connection_tasks() > before:
+                await trio.sleep(0.05)

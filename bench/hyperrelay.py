@@ -25,20 +25,13 @@ from hypercorn.trio import serve
 
 from sieproxy.core.errors import GatewayError
 from sieproxy.engine_client import EngineClient
-from sieproxy.hypercorn_io import body_writer
+from sieproxy.hypercorn_io import body_writer, watch_disconnect
 from sieproxy.hypercorn_io import install as install_hypercorn_io
 from sieproxy.serve import tune_gc
 from sieproxy.settings import GatewaySettings
 
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-
-
-async def _watch_disconnect(receive: Any, scope: trio.CancelScope) -> None:
-    """A client that leaves ends the relay (and with it the upstream request), as in Quart."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    scope.cancel()
 
 
 async def _relay(engine: str, client: EngineClient, path: str, body: bytes, send: Any) -> None:
@@ -78,7 +71,7 @@ def make_app(engine: str, client: EngineClient) -> Any:
             body += msg.get("body", b"")
             more = msg.get("more_body", False)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
+            nursery.start_soon(watch_disconnect, receive, nursery.cancel_scope)  # as the gateway
             await _relay(engine, client, scope["path"], body, send)
             nursery.cancel_scope.cancel()
 

@@ -52,7 +52,7 @@ from .core.errors import (
 from .core.pipeline import build_chat, build_completion
 from .core.profile import ModelProfile
 from .engine_client import EngineClient
-from .hypercorn_io import body_writer
+from .hypercorn_io import body_writer, watch_disconnect
 from .observe import Observer
 from .pool import ModelPool, RouteHints
 from .relay import GenerationBody, RequestStats, WaitTimer
@@ -141,14 +141,6 @@ class _ClientGone(Exception):
     """The client left before its request body arrived: nothing is answered."""
 
 
-async def _watch_disconnect(receive: Any, scope: trio.CancelScope) -> None:
-    """Read what is left of the request (discarded) until the client leaves, then cancel the
-    response, as Quart-Trio's message task does."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    scope.cancel()
-
-
 async def _serve_generation(
     state: GatewayState, endpoint: str, body_timeout: float, scope: Any, receive: Any, send: Any
 ) -> None:
@@ -157,7 +149,7 @@ async def _serve_generation(
         if name in _WANTED and name not in headers:  # the first one, as Quart's get() returns
             headers[name] = value.decode("latin-1")
     rid = _request_id(headers.get(b"x-request-id"))
-    consumed = False  # the request body was read to its end
+    raw: bytes | None = None  # the request body, once read to its end
     async with trio.open_nursery() as nursery:
         body: GenerationBody | None = None
         try:
@@ -170,21 +162,16 @@ async def _serve_generation(
                         retry_after=g.retry_after,
                     )
                 raw = await _read_body(headers, receive, g.max_body_bytes, body_timeout)
-                consumed = True
-                nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
+                nursery.start_soon(watch_disconnect, receive, nursery.cancel_scope)
                 body = await _start(state, endpoint, rid, headers, raw)
-            except GatewayError as err:
-                state.observer.refusal(
-                    endpoint, err, request_id=rid, sdk_version=headers.get(b"x-sie-sdk-version")
-                )
-                await _send_whole(send, _error_response(err, rid), close=not consumed)
-                return
             except _ClientGone:
                 return
-            except Exception:
-                log.exception("unhandled error")
-                internal = InternalError("The gateway failed to process this request.")
-                await _send_whole(send, _error_response(internal, rid), close=not consumed)
+            except Exception as exc:
+                err = _as_error(exc, rid)
+                if err is exc:  # a refusal (counted with no model label: it may be unknown)
+                    sdk = headers.get(b"x-sie-sdk-version")
+                    state.observer.refusal(endpoint, err, request_id=rid, sdk_version=sdk)
+                await _send_whole(send, _error_response(err, rid), close=raw is None)
                 return
             ctype = b"text/event-stream" if body.streaming else _JSON_CT_B
             out = [(b"content-type", ctype), (b"x-request-id", rid.encode("latin-1"))]
@@ -199,6 +186,19 @@ async def _serve_generation(
             nursery.cancel_scope.cancel()
 
 
+def _too_large(limit: int) -> BodyTooLarge:
+    return BodyTooLarge(f"The request body is larger than the {limit}-byte limit.")
+
+
+def _as_error(exc: Exception, request_id: str | None) -> GatewayError:
+    """``exc`` if it is a gateway error (a refusal), else a logged 500: a bug in the gateway
+    answers with the error envelope, never a traceback."""
+    if isinstance(exc, GatewayError):
+        return exc
+    log.error("request %s: unhandled error", request_id, exc_info=exc)
+    return InternalError("The gateway failed to process this request.")
+
+
 def _check_auth(state: GatewayState, raw: str | None) -> None:
     state.auth.check(raw.encode("utf-8", "surrogateescape") if raw is not None else None)
 
@@ -208,7 +208,7 @@ async def _read_body(
 ) -> bytes:
     length = headers.get(b"content-length")
     if length is not None and int(length) > g_max:  # h11 has checked it is a number
-        raise BodyTooLarge(f"The request body is larger than the {g_max}-byte limit.")
+        raise _too_large(g_max)
     ctype = headers.get(b"content-type")
     if ctype is not None and ctype.split(";")[0].strip().lower() != _JSON_CT:
         raise InvalidRequest(
@@ -225,9 +225,7 @@ async def _read_body(
             if data:
                 size += len(data)
                 if size > g_max:
-                    raise BodyTooLarge(
-                        f"The request body is larger than the {g_max}-byte limit."
-                    )
+                    raise _too_large(g_max)
                 parts.append(data)
             if not msg.get("more_body", False):
                 break
@@ -278,7 +276,6 @@ async def _start(
         timer=state.timer,
     )
     state.active.add(body)
-    body.active = state.active
     return body
 
 
@@ -288,15 +285,9 @@ async def _send_generation(
     async with body:
         try:
             head = await body.prime()
-        except GatewayError as err:
-            body.stats.error = err
+        except Exception as exc:
+            err = body.stats.error = _as_error(exc, body.stats.request_id)
             await _send_whole(send, _error_response(err, body.stats.request_id))
-            return
-        except Exception:
-            log.exception("request %s failed before the response", body.stats.request_id)
-            internal = InternalError("The gateway failed to process this request.")
-            body.stats.error = internal
-            await _send_whole(send, _error_response(internal, body.stats.request_id))
             return
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         write = body_writer(send)
@@ -384,10 +375,7 @@ def create_app(state: GatewayState) -> Quart:
                 resp.headers["Allow"] = ", ".join(exc.valid_methods)  # type: ignore[attr-defined]
             return resp
         if code == 413:
-            return _error_response(
-                BodyTooLarge(f"The request body is larger than the {g.max_body_bytes}-byte limit."),
-                rid,
-            )
+            return _error_response(_too_large(g.max_body_bytes), rid)
         if code == 408:
             return _error_response(
                 InvalidRequest("The request body was not received in time."), rid
@@ -398,19 +386,15 @@ def create_app(state: GatewayState) -> Quart:
 
     @app.errorhandler(Exception)
     async def _unexpected(exc: Exception) -> Response:
-        log.exception("unhandled error")
-        return _error_response(
-            InternalError("The gateway failed to process this request."),
-            getattr(request, "sie_request_id", None),
-        )
+        rid = getattr(request, "sie_request_id", None)
+        return _error_response(_as_error(exc, rid), rid)
 
     def _auth(kind: str = "api") -> None:
         if kind == "health" and not g.auth_health:
             return
         if kind == "metrics" and not g.auth_metrics:
             return
-        raw = request.headers.get("Authorization")
-        state.auth.check(raw.encode("utf-8", "surrogateescape") if raw is not None else None)
+        _check_auth(state, request.headers.get("Authorization"))
 
     # POST on the generation routes is answered before Quart routes it (GatewayHTTPConnection);
     # the rules, with no view, are here so that any other method gets 405 with `Allow: POST`.

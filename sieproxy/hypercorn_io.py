@@ -50,6 +50,10 @@ streamed token costs one scheduling round trip, not two; pieces whose bytes were
 still yield between them, so a busy stream cannot starve the others. The count of yields is a
 private counter Trio keeps on each task; without it, every piece yields.
 
+``watch_disconnect()`` is the other ASGI-side piece the gateway shares with the bench's
+``hypercorn-relay`` floor (``bench/hyperrelay.py``): one task per request that drops what is
+left of the request and cancels the response when the client leaves.
+
 The connection is found through a context variable set when it starts serving: Hypercorn
 spawns the app's task from the connection's own task, and a Trio task inherits its spawner's
 context.
@@ -78,7 +82,7 @@ from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio.tcp_server import TCPServer as HypercornTCPServer
 
-__all__ = ["BodyWrite", "TCPServer", "body_writer", "chunk_writer", "install"]
+__all__ = ["BodyWrite", "TCPServer", "body_writer", "chunk_writer", "install", "watch_disconnect"]
 
 BodyWrite = Callable[[bytes], Awaitable[None]]
 
@@ -197,6 +201,14 @@ def body_writer(send: Callable[[dict[str, Any]], Awaitable[None]]) -> BodyWrite:
         await send({"type": "http.response.body", "body": data, "more_body": True})
 
     return write
+
+
+async def watch_disconnect(receive: Callable[[], Awaitable[Any]], scope: trio.CancelScope) -> None:
+    """Read what is left of an ASGI request (dropped) until the client leaves, then cancel
+    ``scope`` (the response), as Quart-Trio's message task does for Quart's routes."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
 
 
 def install() -> None:

@@ -284,8 +284,6 @@ class GenerationBody:
         self._handled_any = False  # an engine event reached the shaper (no retry after that)
         self._deferred: Event | None = None  # an error drained after frames; raised next
         self.entered = False
-        #: The set of in-flight bodies this one belongs to (the HTTP layer maintains it).
-        self.active: set[GenerationBody] = set()
 
     # ------------------------------------------------------------------ lifecycle
     def discard(self) -> None:

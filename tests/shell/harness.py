@@ -41,6 +41,12 @@ class Gateway:
         return await self.client.post("/v1/chat/completions", json=body)
 
 
+def host_port(gw: Gateway) -> tuple[str, int]:
+    """The gateway's address, for raw-socket clients."""
+    host, port = gw.url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
 def settings_for(ports: list[int], **gateway: Any) -> Settings:
     g = GatewaySettings(
         host="127.0.0.1",

@@ -24,7 +24,7 @@ import trio
 from engine.fake import Call, DefaultScript, FakeEngine, Fault, FaultKind, Plan, abort_finish
 from sieproxy.settings import Settings
 
-from .harness import MODEL, Gateway, running_gateway, sse_events
+from .harness import MODEL, Gateway, host_port, running_gateway, sse_events
 
 CHAT = "/v1/chat/completions"
 SECRET = "SECRET-ENGINE-TEXT"
@@ -127,10 +127,6 @@ async def post(gw: Gateway, rid: str, **extra: Any) -> httpx.Response:
     with trio.fail_after(20):
         return await gw.client.post(CHAT, json=chat_body(**extra), headers={"X-Request-Id": rid})
 
-
-def host_port(gw: Gateway) -> tuple[str, int]:
-    host, port = gw.url.removeprefix("http://").rsplit(":", 1)
-    return host, int(port)
 
 
 def raw_request(body: dict[str, Any], rid: str) -> bytes:

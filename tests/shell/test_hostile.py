@@ -23,7 +23,7 @@ from engine.fake import DefaultScript, FakeEngine
 from sieproxy.app import create_app
 from sieproxy.serve import hypercorn_config
 
-from .harness import MODEL, Gateway, running_gateway, sse_events
+from .harness import MODEL, Gateway, host_port, running_gateway, sse_events
 
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
@@ -64,10 +64,6 @@ async def still_serves(gw: Gateway) -> None:
         r = await gw.chat(max_tokens=3, stream=True)
         assert r.status_code == 200 and sse_events(r.text)[-1] == "[DONE]"
 
-
-def host_port(gw: Gateway) -> tuple[str, int]:
-    host, port = gw.url.removeprefix("http://").rsplit(":", 1)
-    return host, int(port)
 
 
 def _complete(data: bytes) -> bool:

@@ -19,7 +19,7 @@ import trio
 from engine.fake import FakeEngine
 from sieproxy.settings import Settings
 
-from .harness import MODEL, Gateway, running_gateway, sse_events
+from .harness import MODEL, Gateway, host_port, running_gateway, sse_events
 
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
@@ -628,7 +628,7 @@ async def test_a_client_gone_before_its_body_arrived_gets_nothing_and_costs_noth
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     async with running_gateway() as gw:
-        host, port = gw.url.removeprefix("http://").rsplit(":", 1)
+        host, port = host_port(gw)
         with trio.fail_after(20):
             for _ in range(3):
                 stream = await trio.open_tcp_stream(host, int(port))
@@ -668,7 +668,7 @@ async def test_a_refused_upload_leaves_no_connection_task_behind() -> None:
         settings.gateway.tokens = [TOKEN]
 
     async with running_gateway(settings_hook=hook) as gw:
-        host, port = gw.url.removeprefix("http://").rsplit(":", 1)
+        host, port = host_port(gw)
         with trio.fail_after(20):
             await trio.sleep(0.1)  # the readiness client's connection settles
             before = _connection_tasks()

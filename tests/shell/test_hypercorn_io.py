@@ -33,7 +33,7 @@ from hypercorn.trio.worker_context import WorkerContext
 from sieproxy import hypercorn_io
 from sieproxy.hypercorn_io import TCPServer
 
-from .harness import MODEL, Gateway, running_gateway, sse_events
+from .harness import MODEL, Gateway, host_port, running_gateway, sse_events
 
 
 class _Protocol:
@@ -266,7 +266,7 @@ async def _exchange(
 
 async def _until_closed(gw: Gateway, raw: bytes) -> bytes:
     """Send ``raw`` on a new connection; everything the gateway sends until it closes it."""
-    host, port = gw.url.removeprefix("http://").split(":")
+    host, port = host_port(gw)
     got = bytearray()
     with trio.fail_after(10):
         sock = await trio.open_tcp_stream(host, int(port))
@@ -291,7 +291,7 @@ async def test_streamed_bodies_are_framed_directly_and_the_connection_stays_usab
     streamed legacy completion."""
     paths = _Paths(monkeypatch)
     async with running_gateway() as gw:
-        host, port = gw.url.removeprefix("http://").split(":")
+        host, port = host_port(gw)
         paths.reset()
         sock = await trio.open_tcp_stream(host, int(port))
         conn = h11.Connection(h11.CLIENT)

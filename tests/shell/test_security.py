@@ -21,7 +21,7 @@ from sieproxy.auth import Authenticator
 from sieproxy.core.errors import AuthenticationError
 from sieproxy.settings import Settings
 
-from .harness import MODEL, running_gateway, sse_events
+from .harness import MODEL, host_port, running_gateway, sse_events
 
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
@@ -284,7 +284,7 @@ async def test_no_request_field_redirects_the_gateway() -> None:
                 )
                 assert r.status_code == 200, r.text
                 # an absolute-form request target is served locally (or refused), never proxied
-                host, port = gw.url.removeprefix("http://").rsplit(":", 1)
+                host, port = host_port(gw)
                 stream = await trio.open_tcp_stream(host, int(port))
                 async with stream:
                     await stream.send_all(

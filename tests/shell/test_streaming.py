@@ -14,7 +14,7 @@ from engine.fake import Call, FakeEngine, Plan
 from tests import sglang_contract
 from tests.contract_cases import PNG_DATA_URI
 
-from .harness import MODEL, running_gateway, sse_events
+from .harness import MODEL, host_port, running_gateway, sse_events
 
 
 def _idx(call: Call) -> int:
@@ -126,7 +126,7 @@ async def test_slow_reader_backpressure_bounds_memory() -> None:
     """A client that reads nothing stalls the upstream read; gateway memory stays flat."""
     engine = FakeEngine(script=lambda call: Plan(tokens=[f"tok{k:06d} " for k in range(200_000)]))
     async with running_gateway(engine, client_stall_timeout=300) as gw:
-        host, port = gw.url.removeprefix("http://").split(":")
+        host, port = host_port(gw)
         body = json.dumps(
             {
                 "model": MODEL,

@@ -50,6 +50,11 @@ streamed token costs one scheduling round trip, not two; pieces whose bytes were
 still yield between them, so a busy stream cannot starve the others. The count of yields is a
 private counter Trio keeps on each task; without it, every piece yields.
 
+The connection also replaces Hypercorn's keep-alive timer (``_KeepAlive``): Hypercorn's,
+restarted from the task of the app whose response just ended, was cancelled with that task, so
+after the first response a kept-alive connection was never closed for being idle; and it cost
+scheduler round trips in every request's path.
+
 ``watch_disconnect()`` is the other ASGI-side piece the gateway shares with the bench's
 ``hypercorn-relay`` floor (``bench/hyperrelay.py``): one task per request that drops what is
 left of the request and cancels the response when the client leaves.
@@ -59,7 +64,8 @@ spawns the app's task from the connection's own task, and a Trio task inherits i
 context.
 
 ``install()`` makes Hypercorn's Trio worker create these connections. It relies on attributes
-of Hypercorn's ``TCPServer`` (``stream``, ``send_lock``, ``protocol``), of its HTTP/1.1 protocol
+of Hypercorn's ``TCPServer`` (``stream``, ``send_lock``, ``protocol``, ``idle_task``,
+``_read_data``, ``_initiate_server_close``), of its HTTP/1.1 protocol
 (``connection``, ``stream``) and of h11's connection (``our_state``, ``_writer``), and on the
 module ``hypercorn.trio.run`` looking the class up when it serves; pyproject.toml bounds
 Hypercorn and h11 below their next minor versions, and tests/shell/test_hypercorn_io.py checks
@@ -68,6 +74,7 @@ the behaviour on the installed ones.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
@@ -90,11 +97,25 @@ _SERVING: ContextVar[TCPServer | None] = ContextVar("sieproxy_connection", defau
 
 
 class TCPServer(HypercornTCPServer):
-    """Hypercorn's Trio connection with the direct write described in the module docstring."""
+    """Hypercorn's Trio connection with the direct write and the keep-alive watch described in
+    the module docstring."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._keep_alive = _KeepAlive(self)
+        self.idle_task = self._keep_alive  # type: ignore[assignment]  # Hypercorn's interface
 
     async def run(self) -> None:
         _SERVING.set(self)  # inherited by the tasks this connection spawns (the app's)
         await super().run()
+
+    async def _read_data(self) -> None:
+        try:
+            await super()._read_data()
+        finally:
+            # Nothing more can arrive: no next request to wait for. The connection ends when
+            # its last response does (Hypercorn then closes it), not after the idle timeout.
+            self._keep_alive.end()
 
     async def protocol_send(self, event: Event) -> None:
         if type(event) is RawData:
@@ -131,6 +152,78 @@ class TCPServer(HypercornTCPServer):
         # it reaches Hypercorn's lock and shielded write uncancelled: a response is never cut
         # inside a frame.
         await super().protocol_send(RawData(data=data[sent:]))
+
+
+class _KeepAlive:
+    """The connection's keep-alive watch, in place of Hypercorn's ``idle_task`` (``restart``
+    when the connection becomes idle, ``stop`` when a request arrives).
+
+    Hypercorn starts a new task for every idle period, with ``nursery.start`` from the task
+    that calls ``restart``. At the end of a response that is the ASGI app's task, which ends in
+    the same step (the gateway and Quart-Trio cancel what is left of it): the new task was
+    cancelled with it, so after its first response a kept-alive connection had no timeout, and
+    one whose client vanished without closing it stayed open for ever. Its lock and its start
+    also cost scheduler round trips in every request's path.
+
+    Here one task per connection, started with the connection, waits while the connection is
+    idle for the keep-alive timeout or the worker's termination, then closes the connection as
+    Hypercorn's ``_idle_timeout`` does. ``restart`` sets the wait's deadline and ``stop`` marks
+    the connection busy: neither yields nor starts a task. A termination seen during a request
+    closes the connection when it is idle again. The watch ends, closing nothing, when the
+    connection stops reading (``end``): Hypercorn's idle task kept a connection whose client
+    had closed it alive until the timeout."""
+
+    __slots__ = ("_at", "_done", "_scope", "_server", "_watching")
+
+    def __init__(self, server: TCPServer) -> None:
+        self._server = server
+        self._at = math.inf  # when the idle connection closes; infinity while a request runs
+        self._scope: trio.CancelScope | None = None  # the watch's current wait
+        self._watching = False
+        self._done = False  # the connection reads no more: the watch has nothing to do
+
+    async def restart(self, task_group: Any, action: Any) -> None:
+        """The connection is idle (``action``, Hypercorn's ``_idle_timeout``, is what
+        ``_watch`` does)."""
+        if self._done:
+            return
+        self._at = trio.current_time() + self._server.config.keep_alive_timeout
+        if not self._watching:
+            self._watching = True
+            task_group._nursery.start_soon(self._watch)
+        elif self._scope is not None:
+            if self._server.context.terminated.is_set():
+                self._scope.cancel()
+            else:
+                self._scope.deadline = self._at
+
+    async def stop(self) -> None:
+        """A request is being served: no keep-alive timeout, no close on termination (a wait
+        that ends during the request finds ``_at`` infinite and waits again)."""
+        self._at = math.inf
+
+    def end(self) -> None:
+        """The connection reads no more: end the watch without closing anything."""
+        self._done = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def _watch(self) -> None:
+        terminated = self._server.context.terminated
+        while True:
+            if self._done:
+                return
+            if self._at < math.inf and (terminated.is_set() or trio.current_time() >= self._at):
+                break  # idle, and the timeout passed or the worker is terminating
+            with trio.CancelScope(deadline=self._at) as scope:
+                self._scope = scope
+                if terminated.is_set():
+                    await trio.sleep_forever()  # terminated during a request: ``restart`` wakes
+                else:
+                    await terminated.wait()
+        self._scope = None
+        with trio.CancelScope(shield=True):
+            await self._server._initiate_server_close()
 
 
 class _ChunkWriter:

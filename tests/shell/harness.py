@@ -47,6 +47,18 @@ def host_port(gw: Gateway) -> tuple[str, int]:
     return host, int(port)
 
 
+def connection_tasks() -> int:
+    """Hypercorn connection tasks alive in this Trio run (one per open client connection)."""
+    found = 0
+    todo = [trio.lowlevel.current_root_task()]
+    while todo:
+        task = todo.pop()
+        if task.name.endswith("_run_handler"):
+            found += 1
+        todo += [t for n in task.child_nurseries for t in n.child_tasks]
+    return found
+
+
 def settings_for(ports: list[int], **gateway: Any) -> Settings:
     g = GatewaySettings(
         host="127.0.0.1",

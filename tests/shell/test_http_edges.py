@@ -12,14 +12,17 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
+import h11
 import httpx
 import pytest
 import trio
 
+import sieproxy.serve
 from engine.fake import FakeEngine
+from sieproxy.serve import hypercorn_config
 from sieproxy.settings import Settings
 
-from .harness import MODEL, Gateway, host_port, running_gateway, sse_events
+from .harness import MODEL, Gateway, connection_tasks, host_port, running_gateway, sse_events
 
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
@@ -646,18 +649,6 @@ async def test_a_client_gone_before_its_body_arrived_gets_nothing_and_costs_noth
         assert "unhandled error" not in caplog.text
 
 
-def _connection_tasks() -> int:
-    """Hypercorn connection tasks alive in this Trio run (one per open client connection)."""
-    found = 0
-    todo = [trio.lowlevel.current_root_task()]
-    while todo:
-        task = todo.pop()
-        if task.name.endswith("_run_handler"):
-            found += 1
-        todo += [t for n in task.child_nurseries for t in n.child_tasks]
-    return found
-
-
 async def test_a_refused_upload_leaves_no_connection_task_behind() -> None:
     """A 401 answered without reading an upload larger than Hypercorn's ASGI queue (the
     generation path reads no body before auth): the client gets the answer, and the
@@ -671,7 +662,7 @@ async def test_a_refused_upload_leaves_no_connection_task_behind() -> None:
         host, port = host_port(gw)
         with trio.fail_after(20):
             await trio.sleep(0.1)  # the readiness client's connection settles
-            before = _connection_tasks()
+            before = connection_tasks()
             stream = await trio.open_tcp_stream(host, int(port))
             await stream.send_all(
                 b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
@@ -687,5 +678,90 @@ async def test_a_refused_upload_leaves_no_connection_task_behind() -> None:
                     got += data
             await stream.aclose()
             assert got.startswith(b"HTTP/1.1 401 "), got[:200]
-            while _connection_tasks() > before:
+            while connection_tasks() > before:
                 await trio.sleep(0.05)
+
+
+# ---- keep-alive --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def keep_alive_1s(monkeypatch: pytest.MonkeyPatch) -> None:
+    def config(settings: Settings) -> Any:
+        cfg = hypercorn_config(settings)
+        cfg.keep_alive_timeout = 1
+        return cfg
+
+    monkeypatch.setattr(sieproxy.serve, "hypercorn_config", config)
+
+
+async def _answered(
+    sock: trio.SocketStream, method: str, path: str, body: dict[str, Any] | None = None
+) -> int:
+    """One request on a new connection, its whole answer read (h11 checks the framing): the
+    status."""
+    conn = h11.Connection(h11.CLIENT)
+    data = b"" if body is None else json.dumps(body).encode()
+    headers = [("Host", "x"), ("Content-Length", str(len(data)))]
+    if body is not None:
+        headers.append(("Content-Type", "application/json"))
+    await sock.send_all(
+        conn.send(h11.Request(method=method, target=path, headers=headers))
+        + conn.send(h11.Data(data=data))
+        + conn.send(h11.EndOfMessage())
+    )
+    status = 0
+    while True:
+        ev = conn.next_event()
+        if ev is h11.NEED_DATA:
+            conn.receive_data(await sock.receive_some(65536))
+        elif type(ev) is h11.Response:
+            status = ev.status_code
+        elif type(ev) is h11.EndOfMessage:
+            assert conn.our_state is h11.DONE and conn.their_state is h11.DONE  # kept alive
+            return status
+
+
+_KEPT_ALIVE = [
+    ("POST", CHAT, {**CHAT_BODY, "stream": True}),
+    ("POST", CMPL, CMPL_BODY),
+    ("GET", "/v1/models", None),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), _KEPT_ALIVE)
+async def test_a_connection_left_idle_after_a_response_is_closed_at_the_keep_alive_timeout(
+    keep_alive_1s: None, method: str, path: str, body: dict[str, Any] | None
+) -> None:
+    """Hypercorn restarts its keep-alive timer when a response ends, from the task of the app
+    that sent it, which ends in that step: the timer's new task was cancelled with it, so after
+    its first answer a connection left open by its client (or by a peer that vanished without
+    closing) was never closed. It is closed once the timeout passes (here 1 s)."""
+    async with running_gateway() as gw:
+        host, port = host_port(gw)
+        with trio.fail_after(20):
+            sock = await trio.open_tcp_stream(host, port)
+            assert await _answered(sock, method, path, body) == 200
+            t0 = trio.current_time()
+            with trio.fail_after(5):
+                assert await sock.receive_some(65536) == b""  # closed by the gateway
+            assert trio.current_time() - t0 >= 0.7
+            await sock.aclose()
+
+
+async def test_a_shutdown_closes_connections_left_idle_after_a_response() -> None:
+    """A stopping gateway closes kept-alive connections that are idle at once (and the ones a
+    response is using when that response ends), whatever they served before."""
+    async with running_gateway() as gw:
+        host, port = host_port(gw)
+        with trio.fail_after(20):
+            socks = []
+            for method, path, body in _KEPT_ALIVE:
+                sock = await trio.open_tcp_stream(host, port)
+                assert await _answered(sock, method, path, body) == 200
+                socks.append(sock)
+            gw.stop.set()
+            with trio.fail_after(2):
+                for sock in socks:
+                    assert await sock.receive_some(65536) == b""
+                    await sock.aclose()

@@ -23,17 +23,18 @@ import pytest
 import trio
 import trio.testing
 from hypercorn.config import Config
-from hypercorn.events import Closed, Event, RawData
+from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol.events import Body
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import HTTPStream
+from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer as HypercornTCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
 from sieproxy import hypercorn_io
 from sieproxy.hypercorn_io import TCPServer
 
-from .harness import MODEL, Gateway, host_port, running_gateway, sse_events
+from .harness import MODEL, Gateway, connection_tasks, host_port, running_gateway, sse_events
 
 
 class _Protocol:
@@ -433,3 +434,271 @@ async def test_a_connection_that_must_close_is_closed_after_the_response(
         request_line = request_line % (len(data), data)
     async with running_gateway() as gw:
         assert (await _until_closed(gw, request_line)).startswith(b"HTTP/1.1 200")
+
+
+# ---- the keep-alive watch ----------------------------------------------------------------------
+
+
+async def _asgi(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """``/slow``: three pieces 0.3 s apart (longer than the short keep-alive timeouts below);
+    anything else: ``ok``."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    if scope["path"] == "/slow":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for piece in (b"a", b"b", b"c"):
+            await trio.sleep(0.3)
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+        return
+    headers = [(b"content-length", b"2")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+class _Hypercorn:
+    """Hypercorn's Trio worker serving ``_asgi`` with this module's connections, and raw
+    HTTP/1.1 clients for it."""
+
+    def __init__(self, nursery: trio.Nursery, keep_alive: float) -> None:
+        self.nursery = nursery
+        self.keep_alive = keep_alive
+        self.stop = trio.Event()
+        self.done = trio.Event()
+        self.port = 0
+
+    async def start(self) -> None:
+        hypercorn_io.install()
+        cfg = Config()
+        cfg.bind = ["127.0.0.1:0"]
+        cfg.keep_alive_timeout = self.keep_alive
+        cfg.graceful_timeout = 10
+        cfg.accesslog = None
+
+        async def run(task_status: trio.TaskStatus[list[str]]) -> None:
+            await hypercorn_serve(
+                _asgi, cfg, shutdown_trigger=self.stop.wait, task_status=task_status
+            )
+            self.done.set()
+
+        binds = await self.nursery.start(run)
+        self.port = int(binds[0].rsplit(":", 1)[1])
+
+    async def connect(self) -> tuple[trio.SocketStream, h11.Connection]:
+        return await trio.open_tcp_stream("127.0.0.1", self.port), h11.Connection(h11.CLIENT)
+
+
+async def _get(sock: trio.SocketStream, conn: h11.Connection, path: str) -> bytes:
+    """One GET on a kept-alive connection; the body (h11 checks the framing)."""
+    if conn.our_state is h11.DONE:
+        conn.start_next_cycle()
+    await sock.send_all(
+        conn.send(h11.Request(method="GET", target=path, headers=[("Host", "x")]))
+        + conn.send(h11.EndOfMessage())
+    )
+    body = bytearray()
+    while True:
+        ev = conn.next_event()
+        if ev is h11.NEED_DATA:
+            data = await sock.receive_some(65536)
+            assert data, f"the connection closed during the response to {path}"
+            conn.receive_data(data)
+        elif type(ev) is h11.Data:
+            body += ev.data
+        elif type(ev) is h11.EndOfMessage:
+            return bytes(body)
+
+
+async def _closed_by_server(sock: trio.SocketStream) -> None:
+    """Returns when the server closes the connection (nothing else may arrive)."""
+    assert await sock.receive_some(65536) == b""
+
+
+async def test_idle_connections_close_at_the_keep_alive_timeout_busy_ones_do_not() -> None:
+    """With a 0.6 s keep-alive timeout: a connection used every 0.2 s stays open (each request
+    stops the timer, each response starts it again); left idle, it is closed about the timeout
+    after its last response; a response that lasts 0.9 s is not cut, and its connection closes
+    about the timeout after it ends."""
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            server = _Hypercorn(nursery, keep_alive=0.6)
+            await server.start()
+            for path, expected, times in (("/", b"ok", 4), ("/slow", b"abc", 1)):
+                sock, conn = await server.connect()
+                for i in range(times):
+                    if i:
+                        await trio.sleep(0.2)
+                    assert await _get(sock, conn, path) == expected
+                t0 = trio.current_time()
+                await _closed_by_server(sock)
+                assert 0.45 <= trio.current_time() - t0 < 3.0
+            nursery.cancel_scope.cancel()
+
+
+async def test_termination_closes_idle_connections_now_busy_ones_after_the_response() -> None:
+    """The worker is told to stop: a kept-alive idle connection is closed at once; a
+    connection in the middle of a response gets the whole response, then is closed; the
+    server returns without waiting for the keep-alive timeout (75 s here)."""
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            server = _Hypercorn(nursery, keep_alive=75)
+            await server.start()
+            idle, idle_conn = await server.connect()
+            assert await _get(idle, idle_conn, "/") == b"ok"
+            busy, busy_conn = await server.connect()
+            got: list[bytes] = []
+
+            async def slow() -> None:
+                got.append(await _get(busy, busy_conn, "/slow"))
+                await _closed_by_server(busy)
+
+            async with trio.open_nursery() as clients:
+                clients.start_soon(slow)
+                await trio.sleep(0.2)  # the slow response has begun
+                server.stop.set()
+                with trio.fail_after(0.25):  # before the slow response ends
+                    await _closed_by_server(idle)
+            assert got == [b"abc"]
+            with trio.fail_after(5):
+                await server.done.wait()
+
+
+async def test_a_connection_its_client_left_ends_at_once() -> None:
+    """A client closes its kept-alive connection while it is idle: the connection's task ends
+    then, not when the keep-alive timeout (75 s here) would have closed it."""
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            server = _Hypercorn(nursery, keep_alive=75)
+            await server.start()
+            before = connection_tasks()
+            for _ in range(3):
+                sock, conn = await server.connect()
+                assert await _get(sock, conn, "/") == b"ok"
+                await trio.sleep(0.1)  # idle, as a client's pool leaves a connection
+                await sock.aclose()
+            with trio.fail_after(2):
+                while connection_tasks() > before:
+                    await trio.sleep(0.02)
+            nursery.cancel_scope.cancel()
+
+
+class _Spawns(trio.abc.Instrument):
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        self.names.append(task.name)
+
+
+async def test_one_watch_per_connection_and_none_of_it_in_a_requests_path() -> None:
+    """Five requests on one connection start one keep-alive task in all (Hypercorn starts one
+    per request), and a request's arrival (``Updated(idle=False)``) does not yield to the
+    scheduler."""
+    spawns = _Spawns()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            server = _Hypercorn(nursery, keep_alive=75)
+            await server.start()
+            trio.lowlevel.add_instrument(spawns)
+            try:
+                sock, conn = await server.connect()
+                for _ in range(5):
+                    assert await _get(sock, conn, "/") == b"ok"
+            finally:
+                trio.lowlevel.remove_instrument(spawns)
+            await sock.aclose()
+            nursery.cancel_scope.cancel()
+    watches = [n for n in spawns.names if "idle" in n.lower() or "_watch" in n]
+    assert len(watches) == 1, spawns.names
+
+    a, b = _pair()
+    server_conn, _ = _server(a)
+    with trio.testing.assert_no_checkpoints():
+        await server_conn.protocol_send(Updated(idle=False))
+    await a.aclose()
+    await b.aclose()
+
+
+class _Watched:
+    """What the keep-alive watch uses of a connection: its config, its worker's context, and
+    the close it starts (recorded with the time)."""
+
+    def __init__(self, keep_alive: float) -> None:
+        self.config = Config()
+        self.config.keep_alive_timeout = keep_alive
+        self.context = WorkerContext(None)
+        self.closed: list[float] = []
+
+    async def _initiate_server_close(self) -> None:
+        self.closed.append(trio.current_time())
+
+
+class _Group:
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+
+
+def _watch_run(script: Any) -> list[float]:
+    """Run ``script(watch, group, conn)`` under a mock clock; the close times, from 0."""
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    conn = _Watched(keep_alive=5)
+    watch = hypercorn_io._KeepAlive(conn)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await script(watch, _Group(nursery), conn)
+            await trio.sleep(100)
+            watch.end()
+
+    t0 = clock.current_time()
+    trio.run(main, clock=clock)
+    return [round(t - t0, 6) for t in conn.closed]
+
+
+def test_the_keep_alive_watch_times_only_idle_periods() -> None:
+    """Idle at 0, a request from 1 to 9 (longer than the 5 s timeout), idle again at 9: one
+    close, at 14."""
+
+    async def script(watch: Any, group: Any, conn: _Watched) -> None:
+        await watch.restart(group, None)
+        await trio.sleep(1)
+        await watch.stop()
+        await trio.sleep(8)
+        await watch.restart(group, None)
+
+    assert _watch_run(script) == [14.0]
+
+
+def test_the_keep_alive_watch_closes_on_termination_only_when_idle() -> None:
+    """The worker terminates at 2 during a request (nothing closes); the request ends at 4:
+    closed at once. A connection idle when the worker terminates is closed at once."""
+
+    async def busy(watch: Any, group: Any, conn: _Watched) -> None:
+        await watch.restart(group, None)
+        await watch.stop()
+        await trio.sleep(2)
+        await conn.context.terminated.set()
+        await trio.sleep(2)
+        assert conn.closed == []
+        await watch.restart(group, None)
+
+    async def idle(watch: Any, group: Any, conn: _Watched) -> None:
+        await watch.restart(group, None)
+        await trio.sleep(3)
+        await conn.context.terminated.set()
+
+    assert _watch_run(busy) == [4.0]
+    assert _watch_run(idle) == [3.0]
+
+
+def test_the_keep_alive_watch_ends_without_closing_when_reading_ends() -> None:
+    async def script(watch: Any, group: Any, conn: _Watched) -> None:
+        await watch.restart(group, None)
+        await trio.sleep(1)
+        watch.end()
+        await watch.restart(group, None)  # a response ending after the client left
+
+    assert _watch_run(script) == []

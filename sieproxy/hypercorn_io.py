@@ -51,7 +51,7 @@ still yield between them, so a busy stream cannot starve the others. The count o
 private counter Trio keeps on each task; without it, every piece yields.
 
 The connection also replaces Hypercorn's keep-alive timer (``_KeepAlive``): Hypercorn's,
-restarted from the task of the app whose response just ended, was cancelled with that task, so
+restarted from the task of the app whose response just ended, was cancelled with it, so
 after the first response a kept-alive connection was never closed for being idle; and it cost
 scheduler round trips in every request's path.
 
@@ -159,11 +159,13 @@ class _KeepAlive:
     when the connection becomes idle, ``stop`` when a request arrives).
 
     Hypercorn starts a new task for every idle period, with ``nursery.start`` from the task
-    that calls ``restart``. At the end of a response that is the ASGI app's task, which ends in
-    the same step (the gateway and Quart-Trio cancel what is left of it): the new task was
-    cancelled with it, so after its first response a kept-alive connection had no timeout, and
-    one whose client vanished without closing it stayed open for ever. Its lock and its start
-    also cost scheduler round trips in every request's path.
+    that calls ``restart``. At the end of a response that is the ASGI app's task, just after
+    Hypercorn sent it ``http.disconnect``; the gateway's disconnect watcher (and Quart-Trio's
+    message task) cancels the response's scope on that message, and the new task, still
+    starting inside that scope, was cancelled with it. So after its first response a
+    kept-alive connection had no timeout, and one whose client vanished without closing it
+    stayed open for ever. Its lock and its start also cost scheduler round trips in every
+    request's path.
 
     Here one task per connection, started with the connection, waits while the connection is
     idle for the keep-alive timeout or the worker's termination, then closes the connection as

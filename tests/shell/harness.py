@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import h11
 import httpx
 import trio
 
@@ -45,6 +46,31 @@ def host_port(gw: Gateway) -> tuple[str, int]:
     """The gateway's address, for raw-socket clients."""
     host, port = gw.url.removeprefix("http://").rsplit(":", 1)
     return host, int(port)
+
+
+async def exchange(
+    sock: trio.SocketStream, conn: h11.Connection, req: Any, data: bytes
+) -> tuple[h11.Response, bytes]:
+    """One request/response on a kept-alive connection, parsed strictly by h11 (client side)."""
+    await sock.send_all(
+        conn.send(req) + conn.send(h11.Data(data=data)) + conn.send(h11.EndOfMessage())
+    )
+    head: h11.Response | None = None
+    body = bytearray()
+    while True:
+        ev = conn.next_event()
+        if ev is h11.NEED_DATA:
+            got = await sock.receive_some(65536)
+            assert got, "the server closed the connection mid-response"
+            conn.receive_data(got)
+        elif isinstance(ev, h11.Response):
+            head = ev
+        elif isinstance(ev, h11.Data):
+            body += ev.data
+        elif isinstance(ev, h11.EndOfMessage):
+            assert head is not None
+            conn.start_next_cycle()
+            return head, bytes(body)
 
 
 def connection_tasks() -> int:

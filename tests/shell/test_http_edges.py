@@ -22,7 +22,15 @@ from engine.fake import FakeEngine
 from sieproxy.serve import hypercorn_config
 from sieproxy.settings import Settings
 
-from .harness import MODEL, Gateway, connection_tasks, host_port, running_gateway, sse_events
+from .harness import (
+    MODEL,
+    Gateway,
+    connection_tasks,
+    exchange,
+    host_port,
+    running_gateway,
+    sse_events,
+)
 
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
@@ -698,28 +706,15 @@ def keep_alive_1s(monkeypatch: pytest.MonkeyPatch) -> None:
 async def _answered(
     sock: trio.SocketStream, method: str, path: str, body: dict[str, Any] | None = None
 ) -> int:
-    """One request on a new connection, its whole answer read (h11 checks the framing): the
-    status."""
-    conn = h11.Connection(h11.CLIENT)
+    """One request on a new connection, its whole answer read (h11 checks the framing, and
+    that the connection is kept alive): the status."""
     data = b"" if body is None else json.dumps(body).encode()
     headers = [("Host", "x"), ("Content-Length", str(len(data)))]
     if body is not None:
         headers.append(("Content-Type", "application/json"))
-    await sock.send_all(
-        conn.send(h11.Request(method=method, target=path, headers=headers))
-        + conn.send(h11.Data(data=data))
-        + conn.send(h11.EndOfMessage())
-    )
-    status = 0
-    while True:
-        ev = conn.next_event()
-        if ev is h11.NEED_DATA:
-            conn.receive_data(await sock.receive_some(65536))
-        elif type(ev) is h11.Response:
-            status = ev.status_code
-        elif type(ev) is h11.EndOfMessage:
-            assert conn.our_state is h11.DONE and conn.their_state is h11.DONE  # kept alive
-            return status
+    request = h11.Request(method=method, target=path, headers=headers)
+    head, _ = await exchange(sock, h11.Connection(h11.CLIENT), request, data)
+    return head.status_code
 
 
 _KEPT_ALIVE = [

@@ -34,7 +34,15 @@ from hypercorn.trio.worker_context import WorkerContext
 from sieproxy import hypercorn_io
 from sieproxy.hypercorn_io import TCPServer
 
-from .harness import MODEL, Gateway, connection_tasks, host_port, running_gateway, sse_events
+from .harness import (
+    MODEL,
+    Gateway,
+    connection_tasks,
+    exchange,
+    host_port,
+    running_gateway,
+    sse_events,
+)
 
 
 class _Protocol:
@@ -240,31 +248,6 @@ def _post(path: str, body: dict[str, Any], **headers: str) -> h11.Request:
     return h11.Request(method="POST", target=path, headers=hdrs), data  # type: ignore[return-value]
 
 
-async def _exchange(
-    sock: trio.SocketStream, conn: h11.Connection, req: Any, data: bytes
-) -> tuple[h11.Response, bytes]:
-    """One request/response on a kept-alive connection, parsed strictly by h11 (client side)."""
-    await sock.send_all(
-        conn.send(req) + conn.send(h11.Data(data=data)) + conn.send(h11.EndOfMessage())
-    )
-    head: h11.Response | None = None
-    body = bytearray()
-    while True:
-        ev = conn.next_event()
-        if ev is h11.NEED_DATA:
-            got = await sock.receive_some(65536)
-            assert got, "the gateway closed the connection mid-response"
-            conn.receive_data(got)
-        elif isinstance(ev, h11.Response):
-            head = ev
-        elif isinstance(ev, h11.Data):
-            body += ev.data
-        elif isinstance(ev, h11.EndOfMessage):
-            assert head is not None
-            conn.start_next_cycle()
-            return head, bytes(body)
-
-
 async def _until_closed(gw: Gateway, raw: bytes) -> bytes:
     """Send ``raw`` on a new connection; everything the gateway sends until it closes it."""
     host, port = host_port(gw)
@@ -297,7 +280,7 @@ async def test_streamed_bodies_are_framed_directly_and_the_connection_stays_usab
         sock = await trio.open_tcp_stream(host, int(port))
         conn = h11.Connection(h11.CLIENT)
         with trio.fail_after(20):
-            head, body = await _exchange(
+            head, body = await exchange(
                 sock, conn, *_post("/v1/chat/completions", _chat(stream=True, max_tokens=12))
             )
             assert head.status_code == 200
@@ -307,7 +290,7 @@ async def test_streamed_bodies_are_framed_directly_and_the_connection_stays_usab
             assert paths.h11_bodies == 0 and paths.direct >= 2
             direct = paths.direct
 
-            head, body = await _exchange(
+            head, body = await exchange(
                 sock, conn, *_post("/v1/chat/completions", _chat(max_tokens=3))
             )
             assert head.status_code == 200
@@ -315,7 +298,7 @@ async def test_streamed_bodies_are_framed_directly_and_the_connection_stays_usab
             assert paths.direct == direct + 1 and paths.h11_bodies == 0  # the answer: one piece
             direct = paths.direct
 
-            head, body = await _exchange(
+            head, body = await exchange(
                 sock,
                 conn,
                 *_post(
@@ -492,24 +475,9 @@ class _Hypercorn:
 
 
 async def _get(sock: trio.SocketStream, conn: h11.Connection, path: str) -> bytes:
-    """One GET on a kept-alive connection; the body (h11 checks the framing)."""
-    if conn.our_state is h11.DONE:
-        conn.start_next_cycle()
-    await sock.send_all(
-        conn.send(h11.Request(method="GET", target=path, headers=[("Host", "x")]))
-        + conn.send(h11.EndOfMessage())
-    )
-    body = bytearray()
-    while True:
-        ev = conn.next_event()
-        if ev is h11.NEED_DATA:
-            data = await sock.receive_some(65536)
-            assert data, f"the connection closed during the response to {path}"
-            conn.receive_data(data)
-        elif type(ev) is h11.Data:
-            body += ev.data
-        elif type(ev) is h11.EndOfMessage:
-            return bytes(body)
+    """One GET on a kept-alive connection; the body."""
+    request = h11.Request(method="GET", target=path, headers=[("Host", "x")])
+    return (await exchange(sock, conn, request, b""))[1]
 
 
 async def _closed_by_server(sock: trio.SocketStream) -> None:

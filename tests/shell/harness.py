@@ -11,11 +11,13 @@ from typing import Any
 
 import h11
 import httpx
+import pytest
 import trio
 
+import sieproxy.serve
 from engine.fake import FakeEngine
 from sieproxy.app import GatewayState
-from sieproxy.serve import build_app, serve
+from sieproxy.serve import build_app, hypercorn_config, serve
 from sieproxy.settings import EngineSpec, GatewaySettings, ModelSettings, Settings
 
 MODEL = "test-model"
@@ -71,6 +73,18 @@ async def exchange(
             assert head is not None
             conn.start_next_cycle()
             return head, bytes(body)
+
+
+def short_keep_alive(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Gateways that ``serve`` starts in this test close a connection idle for ``seconds``
+    (Hypercorn's ``keep_alive_timeout``, 75 s in production)."""
+
+    def config(settings: Settings) -> Any:
+        cfg = hypercorn_config(settings)
+        cfg.keep_alive_timeout = seconds
+        return cfg
+
+    monkeypatch.setattr(sieproxy.serve, "hypercorn_config", config)
 
 
 def connection_tasks() -> int:

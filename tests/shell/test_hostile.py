@@ -23,7 +23,7 @@ from engine.fake import DefaultScript, FakeEngine
 from sieproxy.app import create_app
 from sieproxy.serve import hypercorn_config
 
-from .harness import MODEL, Gateway, host_port, running_gateway, sse_events
+from .harness import MODEL, Gateway, host_port, running_gateway, short_keep_alive, sse_events
 
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
@@ -335,13 +335,8 @@ def short_timeouts(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         app.config["BODY_TIMEOUT"] = 2
         return app
 
-    def config_with_short_keepalive(settings: Any) -> Any:
-        cfg = hypercorn_config(settings)
-        cfg.keep_alive_timeout = 2
-        return cfg
-
     monkeypatch.setattr(sieproxy.serve, "create_app", app_with_short_body_timeout)
-    monkeypatch.setattr(sieproxy.serve, "hypercorn_config", config_with_short_keepalive)
+    short_keep_alive(monkeypatch, 2)
     yield
 
 

@@ -17,9 +17,7 @@ import httpx
 import pytest
 import trio
 
-import sieproxy.serve
 from engine.fake import FakeEngine
-from sieproxy.serve import hypercorn_config
 from sieproxy.settings import Settings
 
 from .harness import (
@@ -29,6 +27,7 @@ from .harness import (
     exchange,
     host_port,
     running_gateway,
+    short_keep_alive,
     sse_events,
 )
 
@@ -695,12 +694,7 @@ async def test_a_refused_upload_leaves_no_connection_task_behind() -> None:
 
 @pytest.fixture
 def keep_alive_1s(monkeypatch: pytest.MonkeyPatch) -> None:
-    def config(settings: Settings) -> Any:
-        cfg = hypercorn_config(settings)
-        cfg.keep_alive_timeout = 1
-        return cfg
-
-    monkeypatch.setattr(sieproxy.serve, "hypercorn_config", config)
+    short_keep_alive(monkeypatch, 1)
 
 
 async def _answered(

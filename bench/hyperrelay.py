@@ -6,9 +6,11 @@ Hypercorn's Trio worker, configured as ``sieproxy serve`` configures it: its cli
 sends them) and the serving process's garbage-collector tuning. Each ``POST`` is forwarded to
 the same path on the engine through the gateway's own upstream client
 (``sieproxy.engine_client``), and the engine's response body — already OpenAI chunks — is
-relayed verbatim, one write per upstream read.
-No validation, planning, SSE decoding or shaping: what remains is the cost of the server, the
-event loop and the upstream client, which the gateway cannot go below without replacing them.
+relayed verbatim, one write per upstream read; while a response waits for the engine, the
+gateway's relay pump (``sieproxy.pump``) writes what arrives, as it does for the gateway's
+``n`` = 1 streams. No validation, planning, SSE decoding or shaping: what remains is the cost
+of the server, the event loop and the upstream client, which the gateway cannot go below
+without replacing them.
 The bench runs it as the ``hypercorn-relay`` target; ``GET`` requests (``/health``) are
 answered locally.
 """
@@ -24,9 +26,10 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from sieproxy.core.errors import GatewayError
-from sieproxy.engine_client import EngineClient
-from sieproxy.hypercorn_io import body_writer, watch_disconnect
+from sieproxy.engine_client import EngineClient, UpstreamResponse
+from sieproxy.hypercorn_io import ChunkWriter, body_writer, chunk_writer, watch_disconnect
 from sieproxy.hypercorn_io import install as install_hypercorn_io
+from sieproxy.pump import Pump
 from sieproxy.serve import tune_gc
 from sieproxy.settings import GatewaySettings
 
@@ -34,15 +37,67 @@ _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
-async def _relay(engine: str, client: EngineClient, path: str, body: bytes, send: Any) -> None:
+class _Carry:
+    """The engine's bytes written to the client by the relay pump (``ride``), as the gateway's
+    inline reader has them written (``relay.GenerationBody.ride``)."""
+
+    def __init__(self, resp: UpstreamResponse, out: ChunkWriter) -> None:
+        self.resp, self.out = resp, out
+        self.stash: bytes | GatewayError | None = None  # what the response task must handle
+        self.flush = False  # the pump left part of a frame for the response task
+
+    def ride(self) -> bool:
+        try:
+            data = self.resp.receive_nowait()
+        except GatewayError as exc:
+            self.stash = exc
+            return False
+        if data is None:
+            return True
+        if data and not self.out.write_nowait(data):
+            self.flush = True
+            return False
+        if not data or self.resp.finished:
+            self.stash = b""
+            return False
+        return True
+
+
+async def _relay_body(resp: UpstreamResponse, send: Any, pump: Pump) -> None:
+    direct = chunk_writer()
+    write = direct.write if direct is not None else body_writer(send)
+    carry = _Carry(resp, direct) if direct is not None else None
+    while True:
+        if carry is not None and carry.stash is not None:
+            data, carry.stash = carry.stash, None
+            if isinstance(data, GatewayError):
+                raise data
+        else:
+            data = resp.receive_nowait()
+        if data is None:
+            fd = resp.fileno()
+            if carry is None or fd < 0 or not pump.running:
+                await resp.wait_readable()
+                continue
+            await pump.park(fd, carry)
+            if carry.flush:
+                carry.flush = False
+                await carry.out.flush()
+            continue
+        if not data:
+            return
+        await write(data)
+
+
+async def _relay(
+    engine: str, client: EngineClient, path: str, body: bytes, send: Any, pump: Pump
+) -> None:
     started = False
     try:
         async with client._post(engine, path, msgspec.json.decode(body), ok_only=True) as resp:
             await send({"type": "http.response.start", "status": 200, "headers": _SSE})
             started = True
-            write = body_writer(send)
-            while data := await resp.receive():
-                await write(data)
+            await _relay_body(resp, send, pump)
     except GatewayError as exc:
         if started:  # the engine broke mid-stream: end the body (the client sees no [DONE])
             await send({"type": "http.response.body", "body": b""})
@@ -53,7 +108,7 @@ async def _relay(engine: str, client: EngineClient, path: str, body: bytes, send
     await send({"type": "http.response.body", "body": b""})
 
 
-def make_app(engine: str, client: EngineClient) -> Any:
+def make_app(engine: str, client: EngineClient, pump: Pump) -> Any:
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":  # nothing to set up or tear down
             while (await receive())["type"] != "lifespan.shutdown":
@@ -72,7 +127,7 @@ def make_app(engine: str, client: EngineClient) -> Any:
             more = msg.get("more_body", False)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch_disconnect, receive, nursery.cancel_scope)  # as the gateway
-            await _relay(engine, client, scope["path"], body, send)
+            await _relay(engine, client, scope["path"], body, send, pump)
             nursery.cancel_scope.cancel()
 
     return app
@@ -85,10 +140,14 @@ async def main(port: int, engine_port: int) -> None:
     cfg.keep_alive_timeout = 75
     cfg.backlog = 2048
     cfg.accesslog = None
-    app = make_app(f"http://127.0.0.1:{engine_port}", client)
+    pump = Pump()
+    app = make_app(f"http://127.0.0.1:{engine_port}", client, pump)
     tune_gc()
     install_hypercorn_io()
-    await serve(app, cfg, mode="asgi")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pump.run)
+        await serve(app, cfg, mode="asgi")
+        nursery.cancel_scope.cancel()
 
 
 if __name__ == "__main__":

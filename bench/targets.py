@@ -300,6 +300,7 @@ FLOORS = {
     "trio-pipe": ["-m", "bench.triopipe"],
     "trio-pipe-streams": ["-m", "bench.triopipe", "--streams"],
     "hypercorn-relay": ["-m", "bench.hyperrelay"],
+    "trio-pump": ["-m", "bench.triopipe", "--pump"],
 }
 
 

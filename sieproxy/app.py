@@ -52,9 +52,10 @@ from .core.errors import (
 from .core.pipeline import build_chat, build_completion
 from .core.profile import ModelProfile
 from .engine_client import EngineClient
-from .hypercorn_io import body_writer, watch_disconnect
+from .hypercorn_io import BodyWrite, body_writer, chunk_writer, watch_disconnect
 from .observe import Observer
 from .pool import ModelPool, RouteHints
+from .pump import Pump
 from .relay import GenerationBody, RequestStats, WaitTimer
 from .settings import Settings
 
@@ -82,6 +83,7 @@ class GatewayState:
     draining: bool = False
     active: set[GenerationBody] = field(default_factory=set)
     timer: WaitTimer = field(default_factory=WaitTimer)
+    pump: Pump = field(default_factory=Pump)
     created: Callable[[], int] = lambda: int(time.time())
 
 
@@ -274,6 +276,7 @@ async def _start(
         losers=plan.losers,
         on_done=finish,
         timer=state.timer,
+        pump=state.pump,
     )
     state.active.add(body)
     return body
@@ -290,7 +293,13 @@ async def _send_generation(
             await _send_whole(send, _error_response(err, body.stats.request_id))
             return
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        write = body_writer(send)
+        direct = chunk_writer()
+        write: BodyWrite
+        if direct is not None:
+            write = direct.write
+            body.carry(direct)  # the relay pump may write its chunks (sieproxy/pump.py)
+        else:
+            write = body_writer(send)
         data: bytes | None = head
         while data is not None:
             if data:

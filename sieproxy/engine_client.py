@@ -162,6 +162,16 @@ class UpstreamResponse:
         sees the disconnect; this response is never reused)."""
         self._conn.close()
 
+    @property
+    def finished(self) -> bool:
+        """The whole body was received: ``receive_nowait`` returns ``b""`` without reading."""
+        return self._parser.done and not self._pending
+
+    def fileno(self) -> int:
+        """The socket's descriptor, for a readiness wait by another task (``sieproxy.pump``);
+        -1 on TLS (bytes can be ready inside the TLS layer) or once closed."""
+        return self._conn.sock.fileno() if self._conn.plain else -1
+
     async def receive(self) -> bytes:
         """Body bytes, ``b""`` at the end of the body."""
         while (out := self.receive_nowait()) is None:

@@ -89,7 +89,15 @@ from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio.tcp_server import TCPServer as HypercornTCPServer
 
-__all__ = ["BodyWrite", "TCPServer", "body_writer", "chunk_writer", "install", "watch_disconnect"]
+__all__ = [
+    "BodyWrite",
+    "ChunkWriter",
+    "TCPServer",
+    "body_writer",
+    "chunk_writer",
+    "install",
+    "watch_disconnect",
+]
 
 BodyWrite = Callable[[bytes], Awaitable[None]]
 
@@ -131,7 +139,7 @@ class TCPServer(HypercornTCPServer):
     async def write(self, data: bytes, *, settle: bool = True) -> None:
         """Send ``data`` on the connection (the way described in the module docstring). With
         ``settle=False`` a write the socket takes at once is not a scheduling point: the caller
-        yields itself (``_ChunkWriter``)."""
+        yields itself (``ChunkWriter``)."""
         stream: trio.abc.Stream = self.stream  # typed SSLStream by Hypercorn; plain TCP is not
         if not isinstance(stream, trio.SocketStream) or self.send_lock.locked():
             await super().protocol_send(RawData(data=data))
@@ -152,6 +160,24 @@ class TCPServer(HypercornTCPServer):
         # it reaches Hypercorn's lock and shielded write uncancelled: a response is never cut
         # inside a frame.
         await super().protocol_send(RawData(data=data[sent:]))
+
+    def write_nowait(self, data: bytes) -> int:
+        """How much of ``data`` the socket took at once, written from any task without yielding
+        (``ChunkWriter.write_nowait``); 0 where ``write`` would go Hypercorn's way (TLS, a
+        write in progress) and when the client is gone (``write_rest`` reports that)."""
+        stream: trio.abc.Stream = self.stream
+        if not isinstance(stream, trio.SocketStream) or self.send_lock.locked():
+            return 0
+        try:
+            return os.write(stream.socket.fileno(), data)
+        except OSError:  # would block; reset, broken pipe, closed
+            return 0
+
+    async def write_rest(self, data: bytes) -> None:
+        """The rest of a frame another task began: Hypercorn's locked write, shielded as it
+        shields its own, so that even a cancelled response is not cut inside a frame."""
+        with trio.CancelScope(shield=True):
+            await super().protocol_send(RawData(data=data))
 
 
 class _KeepAlive:
@@ -228,14 +254,18 @@ class _KeepAlive:
             await self._server._initiate_server_close()
 
 
-class _ChunkWriter:
-    __slots__ = ("_mark", "_server", "_stream", "_task")
+class ChunkWriter:
+    """The pieces of one chunked response body, framed here and written straight to the
+    connection (``chunk_writer()``)."""
+
+    __slots__ = ("_mark", "_rest", "_server", "_stream", "_task")
 
     def __init__(self, server: TCPServer, stream: HTTPStream) -> None:
         self._server = server
         self._stream = stream
         self._task = trio.lowlevel.current_task()
         self._mark = _yields(self._task)
+        self._rest = b""
 
     async def write(self, data: bytes) -> None:
         if not data:  # an empty chunk would end the body
@@ -254,17 +284,43 @@ class _ChunkWriter:
         self._mark = mark
 
 
+    def write_nowait(self, data: bytes) -> bool:
+        """For the relay pump (``sieproxy.pump``), from its task while the response's task
+        waits: send ``data`` as one chunk if the connection takes it whole at once, without
+        yielding. ``False`` if it did not: what was not sent (the rest of the frame; all of it
+        on TLS or while another write is in progress) waits for ``flush``, and the response's
+        task must call that before anything else is written. Nothing is kept for a client that
+        is gone (dropped, as ``write`` drops it)."""
+        if not data:
+            return True
+        if self._stream.closed:
+            return False
+        framed = b"%x\r\n%b\r\n" % (len(data), data)
+        sent = self._server.write_nowait(framed)
+        if sent == len(framed):
+            return True
+        self._rest = framed[sent:]
+        return False
+
+    async def flush(self) -> None:
+        """Send what ``write_nowait`` left, from the response's task (Hypercorn's shielded
+        write: a frame is never cut, and a broken connection is reported to Hypercorn)."""
+        rest, self._rest = self._rest, b""
+        if rest:
+            await self._server.write_rest(rest)
+
+
 def _yields(task: trio.lowlevel.Task) -> int | None:
     """How many times ``task`` has yielded to Trio's scheduler (a private counter Trio keeps
     on every task; None if a Trio release drops it: then every write yields, as before)."""
     return getattr(task, "_schedule_points", None)
 
 
-def chunk_writer() -> BodyWrite | None:
+def chunk_writer() -> ChunkWriter | None:
     """In the task of an ASGI app served by ``TCPServer`` over HTTP/1.1, once it has sent
-    ``http.response.start``: a function that sends one piece of the body as a chunk straight to
-    the connection, or ``None`` where the body is not chunked or the connection is not one of
-    ours (see the module docstring). The body's end still goes through ASGI."""
+    ``http.response.start``: a writer whose ``write`` sends one piece of the body as a chunk
+    straight to the connection, or ``None`` where the body is not chunked or the connection is
+    not one of ours (see the module docstring). The body's end still goes through ASGI."""
     server = _SERVING.get()
     if server is None:
         return None
@@ -281,7 +337,7 @@ def chunk_writer() -> BodyWrite | None:
     stream = proto.stream
     if type(stream) is not HTTPStream:
         return None
-    return _ChunkWriter(server, stream).write
+    return ChunkWriter(server, stream)
 
 
 def body_writer(send: Callable[[dict[str, Any]], Awaitable[None]]) -> BodyWrite:
@@ -290,7 +346,7 @@ def body_writer(send: Callable[[dict[str, Any]], Awaitable[None]]) -> BodyWrite:
     (the body's end is sent through ASGI either way)."""
     direct = chunk_writer()
     if direct is not None:
-        return direct
+        return direct.write
 
     async def write(data: bytes) -> None:
         await send({"type": "http.response.body", "body": data, "more_body": True})

@@ -62,6 +62,7 @@ from .core.sse import SSEDecoder
 from .core.upstream import GenerateReader
 from .engine_client import EngineClient, UpstreamResponse
 from .pool import ModelPool, Replica, RouteHints
+from .pump import Outlet, Pump
 from .settings import GatewaySettings
 
 __all__ = ["GenerationBody", "RequestStats", "Shaper", "WaitTimer", "sweep_stalls"]
@@ -69,7 +70,7 @@ __all__ = ["GenerationBody", "RequestStats", "Shaper", "WaitTimer", "sweep_stall
 log = logging.getLogger("sieproxy.relay")
 
 Event = tuple[int, CandidateDelta | CandidateFinish | GatewayError]
-#: Share of ``token_gap_timeout`` by which the gap limit may fire early (see ``_pump``).
+#: Share of ``token_gap_timeout`` by which the gap limit may fire early (see ``_feed``).
 _GAP_SLACK = 0.02
 
 
@@ -165,6 +166,14 @@ class _Inline:
     holder: list[GenerationBody | None] | None = None
     waiting: bool = False
     fired: bool = False
+    # The relay pump (``sieproxy.pump``): the client writer it may write through (set once the
+    # response head is out), the descriptor this reader is parked on in the pump (-1: none),
+    # what the pump read but left to the response task (bytes, or the exception to raise), and
+    # whether the pump left part of a frame for the task to flush.
+    out: Outlet | None = None
+    parked: int = -1
+    stash: bytes | Exception | None = None
+    flush: bool = False
 
 
 class WaitTimer:
@@ -254,6 +263,7 @@ class GenerationBody:
         losers: Callable[[], list[int]] | None = None,
         on_done: Callable[[GenerationBody], None] | None = None,
         timer: WaitTimer | None = None,
+        pump: Pump | None = None,
     ) -> None:
         self._g = g
         self._client = client
@@ -267,6 +277,7 @@ class GenerationBody:
         self._losers = losers
         self._on_done = on_done
         self._timer = timer
+        self._pump = pump
         k = len(bodies)
         self._k = k
         self._scopes: list[trio.CancelScope] = []
@@ -448,7 +459,7 @@ class GenerationBody:
                         # status before any output).
                         opened = True
                         async with self._open(i) as resp:
-                            await self._pump(i, resp, reader, send, scope)
+                            await self._feed(i, resp, reader, send, scope)
                     except GatewayError as e:
                         err = e
                         if isinstance(e, EngineUnreachable | EngineHTTPError):
@@ -456,7 +467,7 @@ class GenerationBody:
                     except trio.TooSlowError:  # no response head within the gap
                         err = self._gap_error(i)
                 if scope.cancelled_caught and self._causes[i] is None:
-                    err = self._expired(i, reader)  # the request's deadline or the gap (_pump)
+                    err = self._expired(i, reader)  # the request's deadline or the gap (_feed)
             finally:
                 # Runs on every exit, including the client leaving (an outer cancellation).
                 if opened:
@@ -465,7 +476,7 @@ class GenerationBody:
             if last is not None:
                 await send.send((i, last))
 
-    async def _pump(
+    async def _feed(
         self,
         i: int,
         resp: UpstreamResponse,
@@ -503,6 +514,13 @@ class GenerationBody:
         _end_of_body(decoder, reader)
 
     # ------------------------------------------------------------------ n = 1, inline
+    def carry(self, out: Outlet) -> None:
+        """The response head is out and ``out`` can write the body's chunks from another task:
+        while the response task waits for the engine, the relay pump may relay them
+        (``ride``; ``n`` = 1 only, and only with a pump)."""
+        if self._il is not None and self._pump is not None:
+            self._il.out = out
+
     async def _inline_next(self) -> list[Event]:
         """The single candidate's next events, read by the response task itself (no task, no
         channel: one task switch and one buffer fewer per chunk); ``[]`` at its end. Errors
@@ -532,7 +550,14 @@ class GenerationBody:
             while True:
                 # Bytes already there need no timer (a cancel scope per chunk was a measurable
                 # cost): the timer bounds only a wait; the deadline is checked either way.
-                raw = resp.receive_nowait()
+                stash = il.stash
+                if stash is None:
+                    raw = resp.receive_nowait()
+                else:  # what the pump read and left to this task
+                    il.stash = None
+                    if isinstance(stash, Exception):
+                        raise stash
+                    raw = stash
                 if raw is None:
                     limit = min(self._deadline, il.last + gap)
                     if timer is None or not timer.running:
@@ -546,9 +571,24 @@ class GenerationBody:
                         timer.arm(limit, il.holder)
                     il.waiting = True
                     try:
-                        await resp.wait_readable()  # a fired timer: EngineTruncated, below
+                        pump, fd = self._pump, -1
+                        if il.out is not None and pump is not None and pump.running:
+                            fd = resp.fileno()
+                        if fd < 0:
+                            await resp.wait_readable()  # a fired timer: EngineTruncated, below
+                        else:
+                            assert pump is not None
+                            il.parked = fd
+                            try:
+                                await pump.park(fd, self)  # the pump relays what it can
+                            finally:
+                                il.parked = -1
                     finally:
                         il.waiting = False
+                    if il.flush:
+                        await self._flush()
+                    if self._causes[0] is not None:  # the pump matched a stop string
+                        return await self._inline_end(None)
                     continue
                 now = trio.current_time()
                 if now >= self._deadline:
@@ -576,6 +616,52 @@ class GenerationBody:
         except trio.TooSlowError:
             return await self._inline_end(self._gap_error(0))
 
+    def ride(self) -> bool:
+        """The relay pump's step for the inline reader (``sieproxy.pump``), run by the pump's
+        task while the response task is parked in ``_inline_next``: what that loop and the
+        response's write do for bytes that are there, as long as nothing else is needed. False
+        hands the stream back: the end of the engine's body, an error, the deadline, a stop
+        string, or a client write that did not complete at once. What was read and not handled
+        is left in ``stash`` for ``_inline_next``, so nothing is lost or handled twice."""
+        il = self._il
+        assert il is not None and il.resp is not None and il.out is not None
+        reader, decoder = il.reader, il.decoder
+        assert reader is not None and decoder is not None
+        try:
+            raw = il.resp.receive_nowait()
+            if raw is None:
+                return True  # a part of a frame: wait for the rest
+            now = trio.current_time()
+            if not raw or now >= self._deadline:
+                il.stash = raw
+                return False
+            il.last = now
+            if not reader.done:  # past [DONE]: read the body to its end (connection reuse)
+                events, err = self._events(0, raw, decoder, reader)
+                if events and not il.out.write_nowait(self._merge(events)):
+                    il.flush = True
+                if err is not None:
+                    il.stash = err
+                    return False
+            if il.resp.finished:  # the body ended in these bytes: no readiness will tell
+                il.stash = b""
+                return False
+        except Exception as exc:  # raised in the response task, as if it had read the bytes
+            il.stash = exc
+            return False
+        return not il.flush and self._causes[0] is None
+
+    async def _flush(self) -> None:
+        """Send what the pump's last write left, before anything else is written."""
+        il = self._il
+        assert il is not None and il.out is not None
+        il.flush = False
+        self.writing_since = trio.current_time()
+        try:
+            await il.out.flush()
+        finally:
+            self.writing_since = None
+
     async def _inline_end(self, err: GatewayError | None) -> list[Event]:
         """End the inline candidate: abort it upstream if the engine may still be generating,
         release its connection, and return what the shaper must still see."""
@@ -597,6 +683,8 @@ class GenerationBody:
         il.holder = None  # the timer dropped the entry
         if il.waiting and il.resp is not None:
             il.fired = True
+            if il.parked >= 0 and self._pump is not None:
+                self._pump.unpark(il.parked)  # out of the pump before its descriptor closes
             il.resp.close()
         return None
 

@@ -186,6 +186,7 @@ def build_app(settings: Settings) -> Quart:
         nursery: trio.Nursery = app.nursery  # type: ignore[attr-defined]
         nursery.start_soon(sweep_stalls, state.active, settings.gateway.client_stall_timeout)
         nursery.start_soon(state.timer.run)
+        nursery.start_soon(state.pump.run)
         for name, pool in state.pools.items():
             nursery.start_soon(pool.run_health_checks, state.client)
             if not pool.gate_open:

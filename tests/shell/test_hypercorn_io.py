@@ -224,7 +224,7 @@ class _Paths:
         self.h11_bodies = 0
         self.direct = 0
         stream_send = H11Protocol.stream_send
-        write = hypercorn_io._ChunkWriter.write
+        write = hypercorn_io.ChunkWriter.write
 
         async def counting_stream_send(proto: H11Protocol, event: Any) -> None:
             self.h11_bodies += isinstance(event, Body)
@@ -235,7 +235,7 @@ class _Paths:
             await write(w, data)
 
         monkeypatch.setattr(H11Protocol, "stream_send", counting_stream_send)
-        monkeypatch.setattr(hypercorn_io._ChunkWriter, "write", counting_write)
+        monkeypatch.setattr(hypercorn_io.ChunkWriter, "write", counting_write)
 
     def reset(self) -> None:  # the harness's readiness probes went h11's way
         self.h11_bodies = self.direct = 0
@@ -332,10 +332,10 @@ async def test_no_chunk_writer_outside_a_served_connection() -> None:
     assert hypercorn_io.chunk_writer() is None
 
 
-def _chunk_writer(server: TCPServer) -> hypercorn_io._ChunkWriter:
+def _chunk_writer(server: TCPServer) -> hypercorn_io.ChunkWriter:
     stream = HTTPStream.__new__(HTTPStream)
     stream.closed = False
-    return hypercorn_io._ChunkWriter(server, stream)
+    return hypercorn_io.ChunkWriter(server, stream)
 
 
 async def test_the_chunk_writer_frames_pieces_and_skips_empty_ones() -> None:

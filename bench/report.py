@@ -19,11 +19,12 @@ COLORS = {
     "direct": "#4d4d4d", "sieproxy": "#1f77b4", "sieproxy2": "#17becf", "nginx": "#2ca02c",
     "litellm": "#d62728", "hypercorn-w1": "#1f77b4", "hypercorn-w2": "#17becf",
     "hypercorn-relay": "#9467bd", "trio-pipe": "#8c564b", "trio-pipe-streams": "#e377c2",
+    "trio-pump": "#bcbd22",
 }
 #: Ratios of CPU per chunk between two targets of the same run (numerator, denominator): the
 #: gateway against its peers, and against the floors of its own stack (bench/targets.FLOORS).
 CPU_PAIRS = [("sieproxy", "nginx"), ("litellm", "sieproxy"), ("sieproxy", "hypercorn-relay"),
-             ("trio-pipe", "nginx")]
+             ("trio-pipe", "nginx"), ("trio-pump", "nginx")]
 
 
 def med(xs: list[float]) -> float | None:
@@ -136,6 +137,7 @@ def ratio_table(ratios: dict[tuple, dict[str, float | None]]) -> str:
         ("cpu_litellm_over_sieproxy", "CPU/chunk LiteLLM ÷ sieproxy", 1),
         ("cpu_sieproxy_over_hypercorn-relay", "CPU/chunk sieproxy ÷ hypercorn-relay", 2),
         ("cpu_trio-pipe_over_nginx", "CPU/chunk trio-pipe ÷ nginx", 2),
+        ("cpu_trio-pump_over_nginx", "CPU/chunk trio-pump ÷ nginx", 2),
         ("added_ttft_p50_sieproxy", "added TTFT p50 sieproxy ms", 2),
         ("added_ttft_p50_nginx", "added TTFT p50 nginx ms", 2),
         ("added_ttft_p50_litellm", "added TTFT p50 LiteLLM ms", 2),

@@ -20,8 +20,8 @@ goes the way Hypercorn sends it:
 * a write while another one is still in progress (the lock is held), so bytes stay in order.
 
 A task already cancelled raises ``Cancelled`` before writing, as Hypercorn's lock would. A
-connection the client has closed or reset (``EPIPE``, ``ECONNRESET``, a closed descriptor) is
-reported to Hypercorn's protocol as ``Closed``, as Hypercorn does for a broken stream.
+write to a connection the client has closed or reset (``EPIPE``, ``ECONNRESET``, a closed
+descriptor) goes Hypercorn's way too, and Hypercorn reports it to its protocol as ``Closed``.
 
 A connection that must close after its response (an HTTP/1.0 client, a ``Connection: close``
 request, the last request Hypercorn allows on a connection) is closed from the app's task, at
@@ -140,37 +140,29 @@ class TCPServer(HypercornTCPServer):
         """Send ``data`` on the connection (the way described in the module docstring). With
         ``settle=False`` a write the socket takes at once is not a scheduling point: the caller
         yields itself (``ChunkWriter``)."""
-        stream: trio.abc.Stream = self.stream  # typed SSLStream by Hypercorn; plain TCP is not
-        if not isinstance(stream, trio.SocketStream) or self.send_lock.locked():
-            await super().protocol_send(RawData(data=data))
-            return
         await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            sent = os.write(stream.socket.fileno(), data)
-        except BlockingIOError:
-            sent = 0
-        except OSError:  # reset, broken pipe, or already closed (fileno -1: EBADF)
-            await self.protocol.handle(Closed())
-            return
+        sent = self.write_nowait(data)
         if sent == len(data):
             if settle:
                 await trio.lowlevel.cancel_shielded_checkpoint()
             return
-        # The rest goes Hypercorn's way. Nothing since the cancellation check has yielded, so
-        # it reaches Hypercorn's lock and shielded write uncancelled: a response is never cut
-        # inside a frame.
+        # The rest goes Hypercorn's way: all of it on TLS, while another write is in progress,
+        # or to a client that is gone (Hypercorn's write reports that as ``Closed``). Nothing
+        # since the cancellation check has yielded, so it reaches Hypercorn's lock and shielded
+        # write uncancelled: a response is never cut inside a frame.
         await super().protocol_send(RawData(data=data[sent:]))
 
     def write_nowait(self, data: bytes) -> int:
-        """How much of ``data`` the socket took at once, written from any task without yielding
-        (``ChunkWriter.write_nowait``); 0 where ``write`` would go Hypercorn's way (TLS, a
-        write in progress) and when the client is gone (``write_rest`` reports that)."""
-        stream: trio.abc.Stream = self.stream
+        """How much of ``data`` the socket took at once, written without yielding (by
+        ``write``, and by ``ChunkWriter.write_nowait`` from the relay pump's task); 0 where the
+        bytes must go Hypercorn's way: TLS, a write in progress, a client that is gone (a reset,
+        a broken pipe, a closed descriptor: Hypercorn's write reports it)."""
+        stream: trio.abc.Stream = self.stream  # typed SSLStream by Hypercorn; plain TCP is not
         if not isinstance(stream, trio.SocketStream) or self.send_lock.locked():
             return 0
         try:
             return os.write(stream.socket.fileno(), data)
-        except OSError:  # would block; reset, broken pipe, closed
+        except OSError:  # would block; reset, broken pipe, closed (fileno -1: EBADF)
             return 0
 
     async def write_rest(self, data: bytes) -> None:

@@ -14,10 +14,11 @@ byte; a bug in the shaper while carried still ends the stream with an error even
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import h11
@@ -90,6 +91,16 @@ async def _started(nursery: trio.Nursery, pump: Pump) -> None:
     assert pump.running
 
 
+@contextlib.asynccontextmanager
+async def _running(pump: Pump) -> AsyncIterator[trio.Nursery]:
+    """A nursery with ``pump`` running in it; everything in it is cancelled at the end."""
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            await _started(nursery, pump)
+            yield nursery
+            nursery.cancel_scope.cancel()
+
+
 async def _park_then_set(pump: Pump, sock: socket.socket, rider: _Rider, back: trio.Event) -> None:
     await pump.park(sock.fileno(), rider)
     back.set()
@@ -102,23 +113,20 @@ async def test_a_parked_stream_is_carried_until_its_rider_hands_it_back(
     mine, engine = _pair(pairs)
     rider = _Rider(mine)
     resumed = trio.Event()
-    with trio.fail_after(5):
-        async with trio.open_nursery() as nursery:
-            await _started(nursery, pump)
-            nursery.start_soon(_park_then_set, pump, mine, rider, resumed)
-            await trio.testing.wait_all_tasks_blocked()
-            assert len(pump) == 1
-            for byte in b"abc":
-                engine.send(bytes([byte]))
-                while rider.got[-1:] != bytes([byte]):
-                    await trio.sleep(0.001)
-            await trio.testing.wait_all_tasks_blocked()
-            assert not resumed.is_set(), "the pump carried the bytes; the task stayed parked"
-            engine.send(b"!")
-            await resumed.wait()
-            assert rider.got == b"abc!"
-            assert len(pump) == 0
-            nursery.cancel_scope.cancel()
+    async with _running(pump) as nursery:
+        nursery.start_soon(_park_then_set, pump, mine, rider, resumed)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(pump) == 1
+        for byte in b"abc":
+            engine.send(bytes([byte]))
+            while rider.got[-1:] != bytes([byte]):
+                await trio.sleep(0.001)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not resumed.is_set(), "the pump carried the bytes; the task stayed parked"
+        engine.send(b"!")
+        await resumed.wait()
+        assert rider.got == b"abc!"
+        assert len(pump) == 0
     assert not pump.running
 
 
@@ -128,26 +136,23 @@ async def test_a_cancelled_task_leaves_the_pump_and_is_never_ridden_again(
     pump = Pump()
     mine, engine = _pair(pairs)
     rider = _Rider(mine)
-    with trio.fail_after(5):
-        async with trio.open_nursery() as nursery:
-            await _started(nursery, pump)
-            scope = trio.CancelScope()
+    async with _running(pump) as nursery:
+        scope = trio.CancelScope()
 
-            async def stream() -> None:
-                with scope:
-                    await pump.park(mine.fileno(), rider)
-                    raise AssertionError("not handed back")
+        async def stream() -> None:
+            with scope:
+                await pump.park(mine.fileno(), rider)
+                raise AssertionError("not handed back")
 
-            nursery.start_soon(stream)
-            await trio.testing.wait_all_tasks_blocked()
-            assert len(pump) == 1
-            scope.cancel()
-            await trio.testing.wait_all_tasks_blocked()
-            assert len(pump) == 0
-            engine.send(b"x")
-            await trio.sleep(0.05)
-            assert rider.got == b"", "a stream whose task moved on was ridden"
-            nursery.cancel_scope.cancel()
+        nursery.start_soon(stream)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(pump) == 1
+        scope.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(pump) == 0
+        engine.send(b"x")
+        await trio.sleep(0.05)
+        assert rider.got == b"", "a stream whose task moved on was ridden"
 
 
 async def test_unpark_and_a_stopping_pump_hand_streams_back(pairs: list[Any]) -> None:
@@ -184,19 +189,16 @@ async def test_a_failing_rider_is_handed_back_and_the_others_are_still_carried(
     (bad, bad_engine), (good, good_engine) = _pair(pairs), _pair(pairs)
     good_rider = _Rider(good)
     resumed = trio.Event()
-    with trio.fail_after(5):
-        async with trio.open_nursery() as nursery:
-            await _started(nursery, pump)
-            nursery.start_soon(_park_then_set, pump, bad, _Rider(bad), resumed)
-            nursery.start_soon(pump.park, good.fileno(), good_rider)
-            await trio.testing.wait_all_tasks_blocked()
-            bad_engine.send(b"?")
-            await resumed.wait()
-            good_engine.send(b"ok")
-            while good_rider.got != b"ok":
-                await trio.sleep(0.001)
-            assert len(pump) == 1
-            nursery.cancel_scope.cancel()
+    async with _running(pump) as nursery:
+        nursery.start_soon(_park_then_set, pump, bad, _Rider(bad), resumed)
+        nursery.start_soon(pump.park, good.fileno(), good_rider)
+        await trio.testing.wait_all_tasks_blocked()
+        bad_engine.send(b"?")
+        await resumed.wait()
+        good_engine.send(b"ok")
+        while good_rider.got != b"ok":
+            await trio.sleep(0.001)
+        assert len(pump) == 1
     assert "a stream failed" in caplog.text
 
 
@@ -205,24 +207,21 @@ async def test_the_pump_yields_to_other_tasks_between_batches(pairs: list[Any]) 
     pump = Pump(batch=2)
     log: list[str] = []
     socks = [_pair(pairs) for _ in range(8)]
-    with trio.fail_after(5):
-        async with trio.open_nursery() as nursery:
-            await _started(nursery, pump)
-            for k, (mine, _) in enumerate(socks):
-                nursery.start_soon(pump.park, mine.fileno(), _Rider(mine, log, f"r{k}"))
-            await trio.testing.wait_all_tasks_blocked()
+    async with _running(pump) as nursery:
+        for k, (mine, _) in enumerate(socks):
+            nursery.start_soon(pump.park, mine.fileno(), _Rider(mine, log, f"r{k}"))
+        await trio.testing.wait_all_tasks_blocked()
 
-            async def other() -> None:
-                while True:
-                    log.append("other")
-                    await trio.lowlevel.checkpoint()
+        async def other() -> None:
+            while True:
+                log.append("other")
+                await trio.lowlevel.checkpoint()
 
-            for _, engine in socks:
-                engine.send(b"x")
-            nursery.start_soon(other)
-            while sum(1 for e in log if e != "other") < 8:
-                await trio.sleep(0.001)
-            nursery.cancel_scope.cancel()
+        for _, engine in socks:
+            engine.send(b"x")
+        nursery.start_soon(other)
+        while sum(1 for e in log if e != "other") < 8:
+            await trio.sleep(0.001)
     rides = [e for e in log if e != "other"]
     assert sorted(rides) == [f"r{k}" for k in range(8)]
     run = longest = 0

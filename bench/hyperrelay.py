@@ -44,7 +44,6 @@ class _Carry:
     def __init__(self, resp: UpstreamResponse, out: ChunkWriter) -> None:
         self.resp, self.out = resp, out
         self.stash: bytes | GatewayError | None = None  # what the response task must handle
-        self.flush = False  # the pump left part of a frame for the response task
 
     def ride(self) -> bool:
         try:
@@ -55,8 +54,7 @@ class _Carry:
         if data is None:
             return True
         if data and not self.out.write_nowait(data):
-            self.flush = True
-            return False
+            return False  # the rest of the frame: the response task flushes it
         if not data or self.resp.finished:
             self.stash = b""
             return False
@@ -65,7 +63,7 @@ class _Carry:
 
 async def _relay_body(resp: UpstreamResponse, send: Any, pump: Pump) -> None:
     direct = chunk_writer()
-    write = direct.write if direct is not None else body_writer(send)
+    write = body_writer(send, direct)
     carry = _Carry(resp, direct) if direct is not None else None
     while True:
         if carry is not None and carry.stash is not None:
@@ -80,9 +78,7 @@ async def _relay_body(resp: UpstreamResponse, send: Any, pump: Pump) -> None:
                 await resp.wait_readable()
                 continue
             await pump.park(fd, carry)
-            if carry.flush:
-                carry.flush = False
-                await carry.out.flush()
+            await carry.out.flush()  # nothing unless the pump left part of a frame
             continue
         if not data:
             return

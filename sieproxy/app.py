@@ -52,7 +52,7 @@ from .core.errors import (
 from .core.pipeline import build_chat, build_completion
 from .core.profile import ModelProfile
 from .engine_client import EngineClient
-from .hypercorn_io import BodyWrite, body_writer, chunk_writer, watch_disconnect
+from .hypercorn_io import body_writer, chunk_writer, watch_disconnect
 from .observe import Observer
 from .pool import ModelPool, RouteHints
 from .pump import Pump
@@ -294,12 +294,9 @@ async def _send_generation(
             return
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         direct = chunk_writer()
-        write: BodyWrite
+        write = body_writer(send, direct)
         if direct is not None:
-            write = direct.write
             body.carry(direct)  # the relay pump may write its chunks (sieproxy/pump.py)
-        else:
-            write = body_writer(send)
         data: bytes | None = head
         while data is not None:
             if data:

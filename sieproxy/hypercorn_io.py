@@ -41,8 +41,8 @@ the bytes, CRLF: exactly what h11 writes) and hands it to the connection's write
 and the end of the body still go through ASGI, so h11 and Hypercorn see the whole exchange:
 the status line and headers, the empty last chunk, keep-alive and the next request on the
 connection. Where the conditions do not hold (an HTTP/1.0 client, HTTP/2, another server, a
-body with a length) it returns ``None``, and ``body_writer()`` — what the gateway calls — sends
-through ASGI instead. Over TLS the framed chunk takes Hypercorn's own write, as above.
+body with a length) it returns ``None``, and ``body_writer()`` (what the gateway writes with)
+sends through ASGI instead. Over TLS the framed chunk takes Hypercorn's own write, as above.
 
 A piece written this way yields to the scheduler only if the response's task has not yielded
 since its previous piece. A relay that waited for the bytes it writes already has, so a
@@ -265,7 +265,7 @@ class ChunkWriter:
         if self._stream.closed:  # the client is gone; Hypercorn's own path drops it too
             await trio.lowlevel.checkpoint()
             return
-        await self._server.write(b"%x\r\n%b\r\n" % (len(data), data), settle=False)
+        await self._server.write(_frame(data), settle=False)
         # A scheduling point only if the task has not let others run since the last write: a
         # relay loop that waited for its next bytes has (the usual case: one yield per chunk,
         # not two); one that found them already there yields here, so it cannot starve others.
@@ -274,7 +274,6 @@ class ChunkWriter:
             await trio.lowlevel.cancel_shielded_checkpoint()
             mark = _yields(self._task)
         self._mark = mark
-
 
     def write_nowait(self, data: bytes) -> bool:
         """For the relay pump (``sieproxy.pump``), from its task while the response's task
@@ -287,12 +286,16 @@ class ChunkWriter:
             return True
         if self._stream.closed:
             return False
-        framed = b"%x\r\n%b\r\n" % (len(data), data)
+        framed = _frame(data)
         sent = self._server.write_nowait(framed)
         if sent == len(framed):
             return True
         self._rest = framed[sent:]
         return False
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._rest)
 
     async def flush(self) -> None:
         """Send what ``write_nowait`` left, from the response's task (Hypercorn's shielded
@@ -300,6 +303,11 @@ class ChunkWriter:
         rest, self._rest = self._rest, b""
         if rest:
             await self._server.write_rest(rest)
+
+
+def _frame(data: bytes) -> bytes:
+    """``data`` as one chunk of a chunked body, byte for byte as h11 frames it."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
 
 
 def _yields(task: trio.lowlevel.Task) -> int | None:
@@ -332,11 +340,13 @@ def chunk_writer() -> ChunkWriter | None:
     return ChunkWriter(server, stream)
 
 
-def body_writer(send: Callable[[dict[str, Any]], Awaitable[None]]) -> BodyWrite:
-    """The way to send the pieces of a response body after ``http.response.start``:
-    ``chunk_writer()`` where it applies, else ASGI ``http.response.body`` messages on ``send``
-    (the body's end is sent through ASGI either way)."""
-    direct = chunk_writer()
+def body_writer(
+    send: Callable[[dict[str, Any]], Awaitable[None]], direct: ChunkWriter | None
+) -> BodyWrite:
+    """The way to send the pieces of a response body after ``http.response.start``: ``direct``
+    (what ``chunk_writer()`` gave the caller) where there is one, else ASGI
+    ``http.response.body`` messages on ``send`` (the body's end is sent through ASGI either
+    way)."""
     if direct is not None:
         return direct.write
 

@@ -61,6 +61,11 @@ class Outlet(Protocol):
         if not (what is left waits for ``flush``)."""
         ...
 
+    @property
+    def pending(self) -> bool:
+        """``write_nowait`` left part of a frame: the response's task must ``flush`` it."""
+        ...
+
     async def flush(self) -> None:
         """From the response's own task: send what ``write_nowait`` left."""
         ...

@@ -167,13 +167,10 @@ class _Inline:
     waiting: bool = False
     fired: bool = False
     # The relay pump (``sieproxy.pump``): the client writer it may write through (set once the
-    # response head is out), the descriptor this reader is parked on in the pump (-1: none),
-    # what the pump read but left to the response task (bytes, or the exception to raise), and
-    # whether the pump left part of a frame for the task to flush.
+    # response head is out), and what the pump read but left to the response task (bytes, or
+    # the exception to raise).
     out: Outlet | None = None
-    parked: int = -1
     stash: bytes | Exception | None = None
-    flush: bool = False
 
 
 class WaitTimer:
@@ -577,16 +574,12 @@ class GenerationBody:
                         if fd < 0:
                             await resp.wait_readable()  # a fired timer: EngineTruncated, below
                         else:
-                            assert pump is not None
-                            il.parked = fd
-                            try:
-                                await pump.park(fd, self)  # the pump relays what it can
-                            finally:
-                                il.parked = -1
+                            assert pump is not None and il.out is not None
+                            await pump.park(fd, self)  # the pump relays what it can
+                            if il.out.pending:
+                                await self._flush(il.out)
                     finally:
                         il.waiting = False
-                    if il.flush:
-                        await self._flush()
                     if self._causes[0] is not None:  # the pump matched a stop string
                         return await self._inline_end(None)
                     continue
@@ -638,10 +631,11 @@ class GenerationBody:
             il.last = now
             if not reader.done:  # past [DONE]: read the body to its end (connection reuse)
                 events, err = self._events(0, raw, decoder, reader)
-                if events and not il.out.write_nowait(self._merge(events)):
-                    il.flush = True
                 if err is not None:
                     il.stash = err
+                if events and not il.out.write_nowait(self._merge(events)):
+                    return False  # the rest of the frame: the task flushes it
+                if err is not None:
                     return False
             if il.resp.finished:  # the body ended in these bytes: no readiness will tell
                 il.stash = b""
@@ -649,16 +643,14 @@ class GenerationBody:
         except Exception as exc:  # raised in the response task, as if it had read the bytes
             il.stash = exc
             return False
-        return not il.flush and self._causes[0] is None
+        return self._causes[0] is None
 
-    async def _flush(self) -> None:
-        """Send what the pump's last write left, before anything else is written."""
-        il = self._il
-        assert il is not None and il.out is not None
-        il.flush = False
+    async def _flush(self, out: Outlet) -> None:
+        """Send what the pump's last write left, before anything else is written (a parked
+        write, as the stall watchdog sees it)."""
         self.writing_since = trio.current_time()
         try:
-            await il.out.flush()
+            await out.flush()
         finally:
             self.writing_since = None
 
@@ -683,8 +675,8 @@ class GenerationBody:
         il.holder = None  # the timer dropped the entry
         if il.waiting and il.resp is not None:
             il.fired = True
-            if il.parked >= 0 and self._pump is not None:
-                self._pump.unpark(il.parked)  # out of the pump before its descriptor closes
+            if self._pump is not None:  # out of the pump (if parked) before its socket closes
+                self._pump.unpark(il.resp.fileno())
             il.resp.close()
         return None
 

@@ -126,6 +126,7 @@ def _due_body(waiting: bool) -> tuple[GenerationBody, _Inline, _Resp]:
     """A body whose inline reader has a timer entry; its engine last sent bytes at 0, gap 1 s."""
     body = GenerationBody.__new__(GenerationBody)
     body._deadline = 100.0
+    body._pump = None
     body._g = type("G", (), {"token_gap_timeout": 1.0})()  # type: ignore[assignment]
     resp = _Resp()
     il = _Inline(resp=resp, last=0.0, waiting=waiting)  # type: ignore[arg-type]

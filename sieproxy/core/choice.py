@@ -194,8 +194,10 @@ class ChoiceState:
 
     def feed(self, delta: CandidateDelta) -> ChoiceDelta:
         """Run one candidate delta through the pipeline; return what becomes visible."""
-        self._to(ChoiceEvent.DELTA)
-        self.completion_tokens = max(self.completion_tokens, delta.completion_tokens)
+        if self.phase is not ChoicePhase.OPEN:  # OPEN stays OPEN: no table lookup per token
+            self._to(ChoiceEvent.DELTA)
+        if delta.completion_tokens > self.completion_tokens:
+            self.completion_tokens = delta.completion_tokens
         if self.phase is ChoicePhase.STOPPED:
             return ChoiceDelta()
         for lp in delta.logprobs:

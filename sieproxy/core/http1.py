@@ -193,10 +193,18 @@ class ResponseParser:
         return eol
 
     def _chunked(self, data: bytes) -> bytes:
-        out: list[bytes] = []
-        pos = 0
         n = len(data)
         state = self._state
+        if state == _SIZE:
+            # Fast path (nearly every read of a token stream): exactly one whole chunk.
+            eol = data.find(_CRLF, 0, _MAX_LINE + 1)
+            if eol > 0:
+                size = _chunk_size(data, 0, eol)
+                end = eol + 2 + size
+                if size and n == end + 2 and data[end:] == _CRLF:
+                    return data[eol + 2 : end]
+        out: list[bytes] = []
+        pos = 0
         while pos < n:
             if state == _DATA:
                 take = min(self._remaining, n - pos)
@@ -209,10 +217,7 @@ class ResponseParser:
                 eol = self._line_end(data, pos, "chunk-size line")
                 if eol < 0:
                     break
-                size_field = data[pos:eol].split(b";", 1)[0].strip(b" \t")
-                if not size_field or len(size_field) > 16 or size_field.strip(_HEX):
-                    raise FramingError("malformed chunk size")
-                size = int(size_field, 16)
+                size = _chunk_size(data, pos, eol)
                 pos = eol + 2
                 if size == 0:
                     state = _TRAILER
@@ -246,3 +251,11 @@ class ResponseParser:
         if not out:
             return b""
         return out[0] if len(out) == 1 else b"".join(out)
+
+
+def _chunk_size(data: bytes, pos: int, eol: int) -> int:
+    """The size on the chunk-size line ``data[pos:eol]`` (extensions ignored)."""
+    size_field = data[pos:eol].split(b";", 1)[0].strip(b" \t")
+    if not size_field or len(size_field) > 16 or size_field.strip(_HEX):
+        raise FramingError("malformed chunk size")
+    return int(size_field, 16)

@@ -266,7 +266,8 @@ class _StreamBase:
         return self.choices[index]
 
     def _feed(self, index: int, delta: CandidateDelta) -> ChoiceDelta:
-        self._to(_Ev.EVENT)
+        if self.phase is not StreamPhase.STREAMING:  # STREAMING stays: no lookup per token
+            self._to(_Ev.EVENT)
         try:
             return self._choice(index).feed(delta)
         except ChoiceStateError as exc:

@@ -61,6 +61,19 @@ class SSEDecoder:
             and b"\r" not in data
         ):
             # Fast path (every chunk of a well-behaved engine): whole LF-terminated lines.
+            if (
+                not self._data
+                and data[:6] == b"data: "
+                and data.find(b"\n") == len(data) - 2
+                and data[-2:] == b"\n\n"
+                and len(data) <= self.max_line
+            ):
+                # ... and most often one event of one data line (what _line would do).
+                try:
+                    return [data[6:-2].decode("utf-8")]
+                except UnicodeDecodeError:
+                    self._fail()
+                    raise  # unreachable; keeps type checkers honest
             events: list[str] = []
             lines = data.split(b"\n")
             lines.pop()  # the empty tail after the final LF

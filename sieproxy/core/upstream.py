@@ -221,12 +221,14 @@ class GenerateReader:
         if self._finished:
             raise EngineMalformed()
         text, meta = _decode(payload)
-        finish = _finish(meta)
+        finish = None if meta.finish_reason is None else _finish(meta)
         if finish is not None:
             self._finished = True
         new_text = self._new_text(text, finish)
-        logprobs = _logprobs(meta, self._lp_seen, self.incremental)
-        self._lp_seen += len(logprobs)
+        logprobs: list[TokenLogprob] = []
+        if meta.output_token_logprobs:
+            logprobs = _logprobs(meta, self._lp_seen, self.incremental)
+            self._lp_seen += len(logprobs)
         delta: CandidateDelta | None = None
         if new_text or logprobs or meta.completion_tokens != self._tokens:
             delta = CandidateDelta(new_text, meta.completion_tokens, logprobs)

@@ -104,6 +104,27 @@ def test_invalid_utf8_is_malformed() -> None:
         dec.feed(b"data: x\n\n")
 
 
+def test_reads_of_one_event_after_the_first_line() -> None:
+    """An engine's usual read (one event of one data line, after the stream's first line) is
+    decoded, bounded and checked as any other read is."""
+    dec = SSEDecoder(max_line=20)
+    assert dec.feed(b": open\n\n") == []
+    assert dec.feed(b"data: x\n\n") == ["x"]
+    assert dec.feed(b"data: \xc3\xa9\n\n") == ["\u00e9"]
+    assert dec.feed(b"data: a\n") == []
+    assert dec.feed(b"data: b\n\n") == ["a\nb"]  # the second line of a pending event
+    assert dec.feed(b"data:x\n\n") == ["x"]
+    assert dec.feed(b"data: [DONE]\n\n") == ["[DONE]"]
+    with pytest.raises(EngineMalformed):
+        dec.feed(b"data: " + b"y" * 20 + b"\n\n")
+    bad = SSEDecoder()
+    assert bad.feed(b": open\n\n") == []
+    with pytest.raises(EngineMalformed):
+        bad.feed(b"data: \xff\n\n")
+    with pytest.raises(EngineMalformed):  # stays broken
+        bad.feed(b"data: x\n\n")
+
+
 def test_line_length_bound_complete_line() -> None:
     dec = SSEDecoder(max_line=16)
     assert dec.feed(b"data: 0123456789\n\n") == ["0123456789"]  # exactly 16 bytes

@@ -37,7 +37,7 @@ from typing import Any
 
 import trio
 
-from bench.procstat import sample_tree, tree_rss
+from bench.procstat import cpu_between, sample_tree, tree_rss
 
 _CONTENT = re.compile(rb'"content": ?"(?!")')
 _INDEX = re.compile(rb'"index": ?(\d+)')
@@ -519,7 +519,7 @@ def window_fields(
     its edges), as both load generators report them."""
     return {
         "wall": wall,
-        "sut_cpu": s1.cpu - s0.cpu,
+        "sut_cpu": cpu_between(s0, s1),
         "sut_cpu_ticks": s1.cpu_ticks - s0.cpu_ticks,
         "sut_pids": list(s1.pids),
         "sut_rss_idle": idle.rss,
@@ -527,7 +527,7 @@ def window_fields(
         "sut_rss_end": s1.rss,
         "sut_rss_peak": max(peak, s1.rss),
         "sut_hwm": s1.hwm,
-        "engine_cpu": e1.cpu - e0.cpu,
+        "engine_cpu": cpu_between(e0, e1),
     }
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from bench import targets as T
 from bench.loadgen import public_config, window_fields, with_window
-from bench.procstat import sample_tree, tree_rss
+from bench.procstat import cpu_between, sample_tree, tree_rss
 
 if TYPE_CHECKING:
     from bench.runner import Layout
@@ -175,7 +175,7 @@ def run_native_loadgen(cfg: dict[str, Any], layout: Layout, label: str) -> dict[
             hu, hs = hu1[0] - hu0[0], hu1[1] - hu0[1]
             out.update(
                 window_fields(wall, idle, s0, s1, e0, e1, peak),
-                loadgen_cpu=l1.cpu - l0.cpu,
+                loadgen_cpu=cpu_between(l0, l1),
                 loadgen_cpu_ticks=l1.cpu_ticks - l0.cpu_ticks,
                 loadgen_rss=l1.rss,
                 # share of the engine's + load generator's CPU spent in the kernel (ticks)
@@ -183,8 +183,8 @@ def run_native_loadgen(cfg: dict[str, Any], layout: Layout, label: str) -> dict[
                 # cores busy on the whole machine, and those not used by SUT, engine or load
                 # generator (this orchestrator, other work on a shared machine)
                 machine_busy_cores=(m1 - m0) / wall,
-                other_cores=(m1 - m0 - (s1.cpu - s0.cpu) - (e1.cpu - e0.cpu)
-                             - (l1.cpu - l0.cpu)) / wall,
+                other_cores=(m1 - m0 - cpu_between(s0, s1) - cpu_between(e0, e1)
+                             - cpu_between(l0, l1)) / wall,
                 rss_series=rss_series,
             )
         p.wait(timeout=max(30.0, duration))

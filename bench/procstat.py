@@ -8,14 +8,20 @@ CPU is read two ways for every process in the tree (the root and all its descend
   recorded as a cross-check).
 
 Memory: the sum of ``VmRSS`` over the tree, and ``VmHWM`` (the kernel's per-process peak).
+
+A window's CPU is ``cpu_between(start, end)``, thread by thread: a thread or a process that
+ends inside the window takes its schedstat counter with it (a plain difference of the sums
+went negative for LiteLLM, whose worker threads come and go), so then the tick counters, which
+keep an ended thread's time in its process and a reaped child's in its parent, give the figure
+when it is larger.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["TreeSample", "descendants", "sample_tree", "tree_rss"]
+__all__ = ["TreeSample", "cpu_between", "descendants", "sample_tree", "tree_rss"]
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -49,27 +55,26 @@ def descendants(roots: list[int]) -> list[int]:
     return seen
 
 
-def _proc_cpu(pid: int) -> tuple[float, float]:
-    """(schedstat seconds over all threads, utime+stime seconds) of one process."""
-    ticks = 0.0
+def _proc_cpu(pid: int, threads: dict[int, int]) -> float:
+    """The utime+stime seconds of one process (with its reaped children's); each thread's
+    schedstat nanoseconds go into ``threads`` (by thread id)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
         rest = raw[raw.rfind(b")") + 2 :].split()
-        ticks = (int(rest[11]) + int(rest[12])) / _TICK
+        ticks = sum(int(x) for x in rest[11:15]) / _TICK
     except OSError:
-        return 0.0, 0.0
-    ns = 0
+        return 0.0
     try:
         for tid in os.listdir(f"/proc/{pid}/task"):
             try:
                 with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
-                    ns += int(f.read().split()[0])
+                    threads[int(tid)] = int(f.read().split()[0])
             except (OSError, ValueError, IndexError):
                 continue
     except OSError:
         pass
-    return ns / 1e9, ticks
+    return ticks
 
 
 def _proc_mem(pid: int) -> tuple[int, int]:
@@ -96,6 +101,17 @@ class TreeSample:
     cpu_ticks: float
     rss: int
     hwm: int
+    threads: dict[int, int] = field(default_factory=dict)  # thread id -> schedstat ns
+
+
+def cpu_between(a: TreeSample, b: TreeSample) -> float:
+    """CPU seconds the tree used from ``a`` to ``b`` (see the module docstring): each thread
+    alive at ``b`` counts from its value at ``a`` (from zero if it started since)."""
+    ns = sum(max(v - a.threads.get(tid, 0), 0) for tid, v in b.threads.items())
+    cpu = ns / 1e9
+    if any(tid not in b.threads for tid in a.threads):
+        cpu = max(cpu, b.cpu_ticks - a.cpu_ticks)
+    return cpu
 
 
 def sample_tree(roots: list[int]) -> TreeSample:
@@ -103,16 +119,15 @@ def sample_tree(roots: list[int]) -> TreeSample:
     if not roots:
         return TreeSample((), 0.0, 0.0, 0, 0)
     pids = descendants(roots)
-    cpu = ticks = 0.0
+    ticks = 0.0
     rss = hwm = 0
+    threads: dict[int, int] = {}
     for pid in pids:
-        c, t = _proc_cpu(pid)
-        cpu += c
-        ticks += t
+        ticks += _proc_cpu(pid, threads)
         r, h = _proc_mem(pid)
         rss += r
         hwm += h
-    return TreeSample(tuple(pids), cpu, ticks, rss, hwm)
+    return TreeSample(tuple(pids), sum(threads.values()) / 1e9, ticks, rss, hwm, threads)
 
 
 def tree_rss(pids: tuple[int, ...] | list[int]) -> int:

@@ -97,11 +97,15 @@ class TreeSample:
     """CPU seconds (schedstat and ticks) and memory of a process tree at one instant."""
 
     pids: tuple[int, ...]
-    cpu: float
     cpu_ticks: float
     rss: int
     hwm: int
     threads: dict[int, int] = field(default_factory=dict)  # thread id -> schedstat ns
+
+    @property
+    def cpu(self) -> float:
+        """Schedstat seconds of the threads alive now."""
+        return sum(self.threads.values()) / 1e9
 
 
 def cpu_between(a: TreeSample, b: TreeSample) -> float:
@@ -117,7 +121,7 @@ def cpu_between(a: TreeSample, b: TreeSample) -> float:
 def sample_tree(roots: list[int]) -> TreeSample:
     """CPU and memory of ``roots`` and their descendants, now."""
     if not roots:
-        return TreeSample((), 0.0, 0.0, 0, 0)
+        return TreeSample((), 0.0, 0, 0)
     pids = descendants(roots)
     ticks = 0.0
     rss = hwm = 0
@@ -127,7 +131,7 @@ def sample_tree(roots: list[int]) -> TreeSample:
         r, h = _proc_mem(pid)
         rss += r
         hwm += h
-    return TreeSample(tuple(pids), sum(threads.values()) / 1e9, ticks, rss, hwm, threads)
+    return TreeSample(tuple(pids), ticks, rss, hwm, threads)
 
 
 def tree_rss(pids: tuple[int, ...] | list[int]) -> int:

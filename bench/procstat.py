@@ -4,8 +4,8 @@ CPU is read two ways for every process in the tree (the root and all its descend
 
 * ``schedstat``: the sum over every thread of ``/proc/<pid>/task/<tid>/schedstat`` field 1, the
   nanoseconds the scheduler ran that thread (precise; the headline figure);
-* ``ticks``: ``utime + stime`` from ``/proc/<pid>/stat`` in clock ticks (10 ms granularity;
-  recorded as a cross-check).
+* ``ticks``: ``utime + stime`` from ``/proc/<pid>/stat``, with ``cutime + cstime`` (the
+  children it has reaped), in clock ticks (10 ms granularity; recorded as a cross-check).
 
 Memory: the sum of ``VmRSS`` over the tree, and ``VmHWM`` (the kernel's per-process peak).
 

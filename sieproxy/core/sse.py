@@ -64,8 +64,7 @@ class SSEDecoder:
             if (
                 not self._data
                 and data[:6] == b"data: "
-                and data.find(b"\n") == len(data) - 2
-                and data[-2:] == b"\n\n"
+                and data.find(b"\n") == len(data) - 2  # its only LFs are the last two
                 and len(data) <= self.max_line
             ):
                 # ... and most often one event of one data line (what _line would do).

@@ -158,7 +158,9 @@ class TCPServer(HypercornTCPServer):
         bytes must go Hypercorn's way: TLS, a write in progress, a client that is gone (a reset,
         a broken pipe, a closed descriptor: Hypercorn's write reports it)."""
         stream: trio.abc.Stream = self.stream  # typed SSLStream by Hypercorn; plain TCP is not
-        if not isinstance(stream, trio.SocketStream) or self.send_lock.locked():
+        # The exact type (what Hypercorn's Trio worker serves plain TCP with): an ``isinstance``
+        # check goes through ``abc`` (trio's streams are abstract base classes) on every write.
+        if type(stream) is not trio.SocketStream or self.send_lock.locked():
             return 0
         try:
             return os.write(stream.socket.fileno(), data)

@@ -292,6 +292,9 @@ class GenerationBody:
         self._handled_any = False  # an engine event reached the shaper (no retry after that)
         self._deferred: Event | None = None  # an error drained after frames; raised next
         self.entered = False
+        #: Trio's time, read from the run's clock (``trio.current_time`` is two calls more, and
+        #: the relay reads the time once per token).
+        self._now: Callable[[], float] = trio.current_time
 
     # ------------------------------------------------------------------ lifecycle
     def discard(self) -> None:
@@ -303,7 +306,8 @@ class GenerationBody:
 
     async def __aenter__(self) -> GenerationBody:
         self.entered = True
-        self.stats.started = trio.current_time()
+        self._now = trio.lowlevel.current_clock().current_time
+        self.stats.started = self._now()
         self._deadline = self.stats.started + self._g.request_deadline
         if self._il is not None:
             return self
@@ -493,7 +497,7 @@ class GenerationBody:
         # ``gap - slack`` and ``gap`` after the last chunk.
         slack = gap * _GAP_SLACK
         receive = resp.receive
-        clock = trio.current_time
+        clock = self._now
         moved = clock() + gap
         scope.deadline = min(end, moved)
         while raw := await receive():
@@ -583,7 +587,7 @@ class GenerationBody:
                     if self._causes[0] is not None:  # the pump matched a stop string
                         return await self._inline_end(None)
                     continue
-                now = trio.current_time()
+                now = self._now()
                 if now >= self._deadline:
                     return await self._inline_end(self._deadline_error(0))
                 if not raw:
@@ -624,7 +628,7 @@ class GenerationBody:
             raw = il.resp.receive_nowait()
             if raw is None:
                 return True  # a part of a frame: wait for the rest
-            now = trio.current_time()
+            now = self._now()
             if not raw or now >= self._deadline:
                 il.stash = raw
                 return False

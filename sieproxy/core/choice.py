@@ -21,6 +21,10 @@ Each candidate's text runs through a fixed pipeline::
   that crosses the reasoning/content boundary keeps all its logprobs.)
 - :meth:`ChoiceState.finish` flushes every stage in order and maps the finish reason.
 
+A streamed choice with no stop string, no parser and no logprobs waiting (the common case) skips
+the pipeline: each stage would return its input unchanged, so ``feed`` returns the delta's text
+as it is, without a call per stage.
+
 The cumulative logprob (the best_of score) sums *every* chosen-token logprob the engine reports
 before a stop match, visible or not.
 
@@ -154,6 +158,8 @@ class ChoiceState:
         self._stop = StopMatcher(stops or [])
         self._reasoning = reasoning() if reasoning is not None else None
         self._tools = tools() if tools is not None else None
+        #: Every stage passes text through unchanged (see the module docstring).
+        self._plain = not (self._stop.stops or reasoning or tools or collect)
         self._pending: list[TokenLogprob] = []
         self._hiding = False  # the last output was hidden reasoning
         self._content: list[str] = []
@@ -204,6 +210,8 @@ class ChoiceState:
             self.cumulative_logprob += lp.logprob
         if self.want_logprobs:
             self._pending.extend(delta.logprobs)
+        if self._plain and not self._pending:
+            return ChoiceDelta(delta.text)
         safe, matched = self._stop.feed(delta.text)
         out = self._process(safe, final=False)
         if matched:

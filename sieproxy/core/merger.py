@@ -268,8 +268,10 @@ class _StreamBase:
     def _feed(self, index: int, delta: CandidateDelta) -> ChoiceDelta:
         if self.phase is not StreamPhase.STREAMING:  # STREAMING stays: no lookup per token
             self._to(_Ev.EVENT)
+        choices = self.choices
+        state = choices[index] if 0 <= index < len(choices) else self._choice(index)
         try:
-            return self._choice(index).feed(delta)
+            return state.feed(delta)
         except ChoiceStateError as exc:
             self.phase = StreamPhase.CLOSED
             raise MergerError(f"Internal error: choice {index} got output after it ended.") from exc
@@ -290,7 +292,7 @@ class _StreamBase:
 
     def stopped(self, index: int) -> bool:
         """True once the gateway matched a stop string for ``index`` (abort its candidate)."""
-        return self.choices[index].stopped
+        return self.choices[index].stop_matched
 
     def finished(self, index: int) -> bool:
         return self.choices[index].finished
@@ -360,11 +362,8 @@ class ChatStream(_StreamBase):
 
     def on_delta(self, index: int, delta: CandidateDelta) -> bytes:
         """Output of candidate ``index``: zero or more chunks."""
-        cd = self._feed(index, delta)
-        if not cd:
-            return b""
         out = bytearray()
-        self._delta_chunks(out, index, cd)
+        self._delta_chunks(out, index, self._feed(index, delta))  # nothing for an empty delta
         return bytes(out)
 
     def on_finish(self, index: int, finish: CandidateFinish) -> bytes:
@@ -441,7 +440,7 @@ class _CollectorBase:
         self._choice(index).finish(finish)
 
     def stopped(self, index: int) -> bool:
-        return self.choices[index].stopped
+        return self.choices[index].stop_matched
 
     def finished(self, index: int) -> bool:
         return self.choices[index].finished

@@ -50,7 +50,7 @@ NEG_INF_LOGPROB = -9999.0
 _Triple = tuple[float | None, int, str | None]
 
 
-class _Meta(msgspec.Struct):
+class _Meta(msgspec.Struct, gc=False):  # decoded JSON: never part of a cycle
     prompt_tokens: int
     completion_tokens: int
     finish_reason: dict[str, Any] | None = None
@@ -61,7 +61,7 @@ class _Meta(msgspec.Struct):
     output_token_logprobs_length: int | None = None
 
 
-class _Chunk(msgspec.Struct):
+class _Chunk(msgspec.Struct, gc=False):
     text: str | msgspec.UnsetType = msgspec.UNSET
     meta_info: _Meta | msgspec.UnsetType = msgspec.UNSET
     error: Any = msgspec.UNSET
@@ -192,7 +192,8 @@ class GenerateReader:
         self._tokens = 0
         self._prompt_tokens = 0
         self._finished = False
-        self._done = False
+        #: True once ``[DONE]`` was read (an attribute, not a property: read once per token).
+        self.done = False
 
     def local_finish(self, reason: str = "abort") -> CandidateFinish:
         """A finish for a candidate the gateway ended itself (stop matched, best_of loser),
@@ -202,21 +203,16 @@ class GenerateReader:
         )
 
     @property
-    def done(self) -> bool:
-        """True once ``[DONE]`` was read."""
-        return self._done
-
-    @property
     def finished(self) -> bool:
         """True once the terminal chunk (a finish reason) was read."""
         return self._finished
 
     def feed(self, payload: str) -> tuple[CandidateDelta | None, CandidateFinish | None]:
         """Interpret one SSE data payload; ``[DONE]`` yields ``(None, None)``."""
-        if self._done:
+        if self.done:
             raise EngineMalformed()
         if payload == "[DONE]":
-            self._done = True
+            self.done = True
             return None, None
         if self._finished:
             raise EngineMalformed()
@@ -238,7 +234,7 @@ class GenerateReader:
 
     def eof(self) -> None:
         """The stream ended: raise :class:`EngineTruncated` unless it ended properly."""
-        if not (self._done or self._finished):
+        if not (self.done or self._finished):
             raise EngineTruncated()
 
     def _new_text(self, text: str, finish: CandidateFinish | None) -> str:
@@ -251,17 +247,13 @@ class GenerateReader:
             and finish.reason == "abort"
             and self._emitted
             and len(text) >= self._emitted
-            and _crc(text[: self._emitted]) == self._crc
+            and zlib.crc32(text[: self._emitted].encode()) == self._crc
         ):
             text = text[self._emitted :]
         if text:
-            self._crc = _crc(text, self._crc)
+            self._crc = zlib.crc32(text.encode(), self._crc)
             self._emitted += len(text)
         return text
-
-
-def _crc(text: str, crc: int = 0) -> int:
-    return zlib.crc32(text.encode(), crc)
 
 
 def parse_generate_response(body: bytes) -> tuple[CandidateDelta, CandidateFinish]:

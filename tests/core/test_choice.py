@@ -8,7 +8,13 @@ from sieproxy.core.choice import (
     ChoiceStateError,
     openai_finish_reason,
 )
-from sieproxy.core.events import CandidateDelta, CandidateFinish, TokenLogprob, ToolCallDelta
+from sieproxy.core.events import (
+    CandidateDelta,
+    CandidateFinish,
+    ChoiceDelta,
+    TokenLogprob,
+    ToolCallDelta,
+)
 
 from .fakes import FakeReasoning, FakeTools
 
@@ -193,3 +199,45 @@ def test_illegal_transitions_leave_failed() -> None:
     with pytest.raises(ChoiceStateError):
         c3.fail()
     assert c3.phase is ChoicePhase.FAILED
+
+
+# ---- a streamed choice (collect=False): the pass-through shortcut is taken only when no stage
+# would change the text
+
+
+def test_streamed_plain_choice_passes_text_through() -> None:
+    c = ChoiceState(0, collect=False)
+    out = c.feed(d("Hel", 1, [tok(1)]))
+    assert out == ChoiceDelta("Hel")  # logprobs not asked: not attached
+    assert c.feed(d("", 2)) == ChoiceDelta()  # a token with no text yet: nothing visible
+    assert c.completion_tokens == 2 and c.cumulative_logprob == -0.5
+    c.finish(fin("length", 2))
+    assert c.content == "" and c.finish_reason == "length"  # streamed: nothing collected
+
+
+def test_streamed_logprobs_ride_on_their_own_delta() -> None:
+    c = ChoiceState(0, logprobs=True, collect=False)
+    out = c.feed(d("Hel", 1, [tok(1)]))
+    assert out.content == "Hel" and [t.token_id for t in out.logprobs] == [1]
+    out = c.feed(d("lo", 2, [tok(2)]))
+    assert out.content == "lo" and [t.token_id for t in out.logprobs] == [2]
+    assert not c.finish(fin("stop", 2)).logprobs  # none left over for the closure
+
+
+def test_streamed_stop_string_is_still_matched() -> None:
+    c = ChoiceState(0, stops=["END"], collect=False)
+    assert c.feed(d("abcE", 1)).content == "abc"  # "E" could start the stop string
+    out = c.feed(d("ND more", 2))
+    assert out.content == "" and c.stopped and c.phase is ChoicePhase.STOPPED
+
+
+def test_streamed_reasoning_is_still_split() -> None:
+    c = ChoiceState(0, reasoning=FakeReasoning, include_reasoning=False, collect=False)
+    assert not c.feed(d("[secret", 1))
+    assert c.feed(d("]Hi", 2)) == ChoiceDelta("Hi")
+
+
+def test_streamed_tool_calls_are_still_parsed() -> None:
+    c = ChoiceState(0, tools=FakeTools, collect=False)
+    out = c.feed(d("ok {a", 1))
+    assert out.content == "ok " and [t.name for t in out.tool_calls][:1] == ["fn"]

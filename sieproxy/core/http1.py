@@ -47,6 +47,7 @@ class ResponseParser:
         "_remaining",
         "_state",
         "_total",
+        "done",
         "headers",
         "keep_alive",
         "max_body",
@@ -61,15 +62,17 @@ class ResponseParser:
         self.keep_alive = False
         self.max_head = max_head
         self.max_body = max_body
+        #: The whole body has been received (kept with ``_state``, by ``_set``: an attribute,
+        #: not a property, as it is read on every read of a streamed body).
+        self.done = False
         self._state = _HEAD
         self._buf = b""
         self._remaining = 0
         self._total = 0
 
-    @property
-    def done(self) -> bool:
-        """The whole body has been received."""
-        return self._state == _DONE
+    def _set(self, state: int) -> None:
+        self._state = state
+        self.done = state == _DONE
 
     # ------------------------------------------------------------------ input
     def feed(self, data: bytes) -> bytes:
@@ -90,7 +93,7 @@ class ResponseParser:
             if len(out) < len(data):
                 self.keep_alive = False  # bytes beyond the body: do not trust the connection
             if self._remaining == 0:
-                self._state = _DONE
+                self._set(_DONE)
         elif state == _CLOSE:
             out = data
         else:  # _DONE: bytes after the end of the response
@@ -106,7 +109,7 @@ class ResponseParser:
         """The peer closed the connection."""
         self.keep_alive = False
         if self._state == _CLOSE:
-            self._state = _DONE
+            self._set(_DONE)
         elif self._state == _HEAD:
             raise FramingError("connection closed before a complete response head")
         elif self._state != _DONE:
@@ -162,23 +165,23 @@ class ResponseParser:
         te = headers.get(b"transfer-encoding")
         cl = headers.get(b"content-length")
         if status == 204 or status == 304:
-            self._state = _DONE
+            self._set(_DONE)
         elif te is not None:
             if [t.strip().lower() for t in te.split(b",")] != [b"chunked"]:
                 raise FramingError("unsupported Transfer-Encoding")
-            self._state = _SIZE
+            self._set(_SIZE)
         elif cl is not None:
             if not cl.isdigit() or len(cl) > 18:
                 raise FramingError("malformed Content-Length")
             self._remaining = int(cl)
             if self.max_body is not None and self._remaining > self.max_body:
                 raise FramingError(f"response body larger than {self.max_body} bytes")
-            self._state = _LENGTH
+            self._set(_LENGTH)
             if self._remaining == 0:
-                self._state = _DONE
+                self._set(_DONE)
         else:
             self.keep_alive = False
-            self._state = _CLOSE
+            self._set(_CLOSE)
 
     # ------------------------------------------------------------------ chunked body
     def _line_end(self, data: bytes, pos: int, what: str) -> int:
@@ -247,7 +250,7 @@ class ResponseParser:
                 pos = eol + 2  # a trailer field: ignored
             else:
                 break
-        self._state = state
+        self._set(state)
         if not out:
             return b""
         return out[0] if len(out) == 1 else b"".join(out)
@@ -255,7 +258,11 @@ class ResponseParser:
 
 def _chunk_size(data: bytes, pos: int, eol: int) -> int:
     """The size on the chunk-size line ``data[pos:eol]`` (extensions ignored)."""
-    size_field = data[pos:eol].split(b";", 1)[0].strip(b" \t")
-    if not size_field or len(size_field) > 16 or size_field.strip(_HEX):
+    size_field = data[pos:eol]
+    if size_field.strip(_HEX):  # not only hex digits (most often it is): an extension, blanks
+        size_field = size_field.split(b";", 1)[0].strip(b" \t")
+        if size_field.strip(_HEX):
+            raise FramingError("malformed chunk size")
+    if not size_field or len(size_field) > 16:
         raise FramingError("malformed chunk size")
     return int(size_field, 16)

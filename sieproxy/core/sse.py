@@ -57,8 +57,8 @@ class SSEDecoder:
             not self._buf
             and not self._skip_lf
             and not self._first_line
-            and data[-1:] == b"\n"
-            and b"\r" not in data
+            and data[-1] == 0x0A  # LF
+            and 0x0D not in data  # CR; a byte value is searched with memchr, b"\r" is not
         ):
             # Fast path (every chunk of a well-behaved engine): whole LF-terminated lines.
             if (

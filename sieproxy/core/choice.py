@@ -8,7 +8,7 @@ Each candidate's text runs through a fixed pipeline::
 
 - The stop matcher holds back any tail that could start a stop string and cuts the text at the
   first stop to complete. When it matches, the choice moves to ``STOPPED``: the shell sees
-  :attr:`ChoiceState.stopped` and aborts the upstream candidate; deltas still in flight are
+  :attr:`ChoiceState.stop_matched` and aborts the upstream candidate; deltas still in flight are
   ignored, and the finish reason becomes ``stop`` whatever the engine reports afterwards
   (usually an ``abort`` without status, caused by the gateway's own abort).
 - The reasoning parser splits reasoning from content. With ``include_reasoning`` false the
@@ -172,6 +172,7 @@ class ChoiceState:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.reasoning_tokens = 0
+        #: The gateway matched a stop string: the shell aborts the upstream candidate.
         self.stop_matched = False
         self.engine_reason: str | None = None
         self.finish_reason: str | None = None
@@ -190,11 +191,6 @@ class ChoiceState:
     @property
     def finished(self) -> bool:
         return self.phase is ChoicePhase.FINISHED
-
-    @property
-    def stopped(self) -> bool:
-        """True once the gateway matched a stop string (the upstream candidate may be aborted)."""
-        return self.stop_matched
 
     # ------------------------------------------------------------------ events
 

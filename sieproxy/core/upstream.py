@@ -50,7 +50,8 @@ NEG_INF_LOGPROB = -9999.0
 _Triple = tuple[float | None, int, str | None]
 
 
-class _Meta(msgspec.Struct, gc=False):  # decoded JSON: never part of a cycle
+# Not tracked by the cycle collector (``gc=False``): decoded JSON never forms a cycle.
+class _Meta(msgspec.Struct, gc=False):
     prompt_tokens: int
     completion_tokens: int
     finish_reason: dict[str, Any] | None = None

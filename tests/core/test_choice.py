@@ -49,10 +49,10 @@ def test_plain_text_and_accounting() -> None:
 def test_stop_string_split_across_deltas() -> None:
     c = ChoiceState(0, stops=["END"], logprobs=True)
     assert c.feed(d("abcE", 1, [tok(1)])).content == "abc"
-    assert not c.stopped
+    assert not c.stop_matched
     out = c.feed(d("NDxyz", 2, [tok(2)]))
     assert out.content == ""
-    assert c.stopped and c.phase is ChoicePhase.STOPPED
+    assert c.stop_matched and c.phase is ChoicePhase.STOPPED
     # in-flight output after the gateway's match is ignored
     assert not c.feed(d("more", 3, [tok(3, -9.0)]))
     c.finish(fin("abort", 4))
@@ -228,7 +228,7 @@ def test_streamed_stop_string_is_still_matched() -> None:
     c = ChoiceState(0, stops=["END"], collect=False)
     assert c.feed(d("abcE", 1)).content == "abc"  # "E" could start the stop string
     out = c.feed(d("ND more", 2))
-    assert out.content == "" and c.stopped and c.phase is ChoicePhase.STOPPED
+    assert out.content == "" and c.stop_matched and c.phase is ChoicePhase.STOPPED
 
 
 def test_streamed_reasoning_is_still_split() -> None:

@@ -52,7 +52,7 @@ from .core.errors import (
 from .core.pipeline import build_chat, build_completion
 from .core.profile import ModelProfile
 from .engine_client import EngineClient
-from .hypercorn_io import body_writer, chunk_writer, watch_disconnect
+from .hypercorn_io import body_writer, send_together, watch_disconnect
 from .observe import Observer
 from .pool import ModelPool, RouteHints
 from .pump import Pump
@@ -292,21 +292,23 @@ async def _send_generation(
             err = body.stats.error = _as_error(exc, body.stats.request_id)
             await _send_whole(send, _error_response(err, body.stats.request_id))
             return
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        direct = chunk_writer()
+        # The head and the first frames (or the whole answer) go out in one socket write.
+        start = {"type": "http.response.start", "status": 200, "headers": headers}
+        body.writing_since = trio.current_time()
+        direct = await send_together(send, [start], head)
+        body.writing_since = None
         write = body_writer(send, direct)
         if direct is not None:
             body.carry(direct)  # the relay pump may write its chunks (sieproxy/pump.py)
-        data: bytes | None = head
-        while data is not None:
+        while True:
+            try:
+                data = await body.__anext__()
+            except StopAsyncIteration:
+                break
             if data:
                 body.writing_since = trio.current_time()
                 await write(data)
                 body.writing_since = None
-            try:
-                data = await body.__anext__()
-            except StopAsyncIteration:
-                data = None
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
@@ -315,8 +317,8 @@ async def _send_whole(send: Any, resp: Response, *, close: bool = False) -> None
     headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.items()]
     if close:
         headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": resp.status_code, "headers": headers})
-    await send({"type": "http.response.body", "body": data, "more_body": False})
+    start = {"type": "http.response.start", "status": resp.status_code, "headers": headers}
+    await send_together(send, [start, {"type": "http.response.body", "body": data}])
 
 
 class GatewayApp(QuartTrio):

@@ -46,6 +46,8 @@ from .harness import (
 
 
 class _Protocol:
+    protocol = None  # no HTTP/1.1 protocol behind it: ``chunk_writer()`` gives None
+
     def __init__(self) -> None:
         self.events: list[Event] = []
 
@@ -218,24 +220,25 @@ def test_install_and_the_asgi_entry_point(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 class _Paths:
     """Counts body pieces by the way they reach the socket: through h11 (``Body`` events at
-    Hypercorn's HTTP/1.1 protocol) or through ``chunk_writer``."""
+    Hypercorn's HTTP/1.1 protocol) or framed by the gateway (``chunk_writer``'s writes, the
+    relay pump's and ``send_together``'s first piece all frame with ``_frame``)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.h11_bodies = 0
         self.direct = 0
         stream_send = H11Protocol.stream_send
-        write = hypercorn_io.ChunkWriter.write
+        frame = hypercorn_io._frame
 
         async def counting_stream_send(proto: H11Protocol, event: Any) -> None:
             self.h11_bodies += isinstance(event, Body)
             await stream_send(proto, event)
 
-        async def counting_write(w: Any, data: bytes) -> None:
+        def counting_frame(data: bytes) -> bytes:
             self.direct += 1
-            await write(w, data)
+            return frame(data)
 
         monkeypatch.setattr(H11Protocol, "stream_send", counting_stream_send)
-        monkeypatch.setattr(hypercorn_io.ChunkWriter, "write", counting_write)
+        monkeypatch.setattr(hypercorn_io, "_frame", counting_frame)
 
     def reset(self) -> None:  # the harness's readiness probes went h11's way
         self.h11_bodies = self.direct = 0
@@ -670,3 +673,161 @@ def test_the_keep_alive_watch_ends_without_closing_when_reading_ends() -> None:
         await watch.restart(group, None)  # a response ending after the client left
 
     assert _watch_run(script) == []
+
+
+# --- send_together: a response's head and first piece in one socket write ----------------------
+
+
+class _Writes:
+    """Records every socket write of ``TCPServer`` (the direct one and Hypercorn's rest)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.writes: list[bytes] = []
+        write_nowait = TCPServer.write_nowait
+        write_rest = TCPServer.write_rest
+
+        def recording_write_nowait(server: TCPServer, data: bytes) -> int:
+            sent = write_nowait(server, data)
+            self.writes.append(bytes(data[:sent]))
+            return sent
+
+        async def recording_write_rest(server: TCPServer, data: bytes) -> None:
+            self.writes.append(bytes(data))
+            await write_rest(server, data)
+
+        monkeypatch.setattr(TCPServer, "write_nowait", recording_write_nowait)
+        monkeypatch.setattr(TCPServer, "write_rest", recording_write_rest)
+
+
+async def test_send_together_writes_what_hypercorn_sends_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each ASGI message makes Hypercorn send bytes to the connection; they are held and written
+    with one write, in order, and the call is still a scheduling point."""
+    mine, peer = _pair()
+    server, _ = _server(mine)
+    writes = _Writes(monkeypatch)
+    hypercorn_io._SERVING.set(server)
+
+    async def send(message: dict[str, Any]) -> None:  # Hypercorn's protocol, as far as it goes
+        await server.protocol_send(RawData(data=message["type"].encode() + b";"))
+
+    with trio.testing.assert_checkpoints():
+        direct = await hypercorn_io.send_together(
+            send, [{"type": "http.response.start"}, {"type": "http.response.body"}]
+        )
+    assert direct is None  # not an HTTP/1.1 stream of Hypercorn's
+    want = b"http.response.start;http.response.body;"
+    assert writes.writes == [want]
+    assert await _read_exactly(peer, len(want)) == want
+    # Nothing is held afterwards: the next bytes go out at once, alone.
+    await server.protocol_send(RawData(data=b"next"))
+    assert writes.writes[-1] == b"next"
+    assert await _read_exactly(peer, 4) == b"next"
+
+
+async def test_send_together_without_a_framing_connection_sends_the_first_piece_via_asgi(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the gateway does not frame the body itself, the first piece is an ASGI body message
+    (Hypercorn frames it), and it is held with the head."""
+    mine, peer = _pair()
+    server, _ = _server(mine)
+    writes = _Writes(monkeypatch)
+    hypercorn_io._SERVING.set(server)
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        await server.protocol_send(RawData(data=message.get("body", b"HEAD;")))
+
+    await hypercorn_io.send_together(send, [{"type": "http.response.start"}], b"first")
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert sent[1]["more_body"] is True
+    assert writes.writes == [b"HEAD;first"]
+    assert await _read_exactly(peer, 10) == b"HEAD;first"
+
+
+async def test_send_together_writes_what_it_held_when_a_send_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Bytes Hypercorn counts as sent are never dropped: a message that fails after others
+    sent theirs still gets those written (shielded), and the error propagates."""
+    mine, peer = _pair()
+    server, _ = _server(mine)
+    writes = _Writes(monkeypatch)
+    hypercorn_io._SERVING.set(server)
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "boom":
+            raise RuntimeError("boom")
+        await server.protocol_send(RawData(data=b"head"))
+
+    with pytest.raises(RuntimeError):
+        await hypercorn_io.send_together(send, [{"type": "start"}, {"type": "boom"}])
+    assert writes.writes == [b"head"]
+    assert await _read_exactly(peer, 4) == b"head"
+    assert server._held is None
+
+
+async def test_send_together_outside_a_served_connection_sends_each_message() -> None:
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    assert await hypercorn_io.send_together(send, [{"type": "a"}], b"x") is None
+    assert [m["type"] for m in sent] == ["a", "http.response.body"]
+    assert sent[1]["body"] == b"x"
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_a_responses_head_goes_out_with_its_first_frames(
+    monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """On a real gateway over HTTP/1.1: the socket write that carries the status line also
+    carries the first chunk of the body (the role chunk and the first token, or the whole
+    answer), and h11 on the client side parses the exchange; an error answer (a 400) is one
+    write too."""
+    async with running_gateway() as gw:
+        host, port = host_port(gw)
+        writes = _Writes(monkeypatch)
+        sock = await trio.open_tcp_stream(host, int(port))
+        conn = h11.Connection(h11.CLIENT)
+        with trio.fail_after(20):
+            head, body = await exchange(
+                sock, conn, *_post("/v1/chat/completions", _chat(stream=stream, max_tokens=4))
+            )
+            assert head.status_code == 200
+            first = next(w for w in writes.writes if w.startswith(b"HTTP/1.1 200"))
+            assert b"\r\n\r\n" in first
+            framed = first.partition(b"\r\n\r\n")[2]
+            if stream:
+                assert b'"role":"assistant"' in framed
+                assert sse_events(body.decode())[-1] == "[DONE]"
+            else:
+                assert b'"object":"chat.completion"' in framed
+                assert json.loads(body)["object"] == "chat.completion"
+            writes.writes.clear()
+            head, body = await exchange(
+                sock, conn, *_post("/v1/chat/completions", _chat(temperature=-1))
+            )
+            assert head.status_code == 400 and json.loads(body)["error"]["param"] == "temperature"
+            assert len(writes.writes) == 1 and writes.writes[0].endswith(body)
+        await sock.aclose()
+
+
+async def test_send_together_writes_what_it_held_before_the_connection_closes() -> None:
+    """A response after which the connection must close (HTTP/1.0, ``Connection: close``):
+    Hypercorn closes it while the bytes are held, and they go out first."""
+    mine, peer = _pair()
+    server, _ = _server(mine)
+    hypercorn_io._SERVING.set(server)
+
+    async def send(message: dict[str, Any]) -> None:
+        await server.protocol_send(RawData(data=b"answer"))
+        await server.protocol_send(Closed())
+
+    await hypercorn_io.send_together(send, [{"type": "http.response.start"}])
+    assert await _read_exactly(peer, 6) == b"answer"
+    assert await peer.receive_some(10) == b""  # then the close

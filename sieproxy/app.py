@@ -292,9 +292,14 @@ async def _send_generation(
             err = body.stats.error = _as_error(exc, body.stats.request_id)
             await _send_whole(send, _error_response(err, body.stats.request_id))
             return
-        # The head and the first frames (or the whole answer) go out in one socket write.
+        # The head and the first frames go out in one socket write; the whole answer (not
+        # streamed, or a stream that ended at once) with the body's end too.
         start = {"type": "http.response.start", "status": 200, "headers": headers}
         body.writing_since = trio.current_time()
+        if body.done:
+            await send_together(send, [start, {"type": "http.response.body", "body": head}])
+            body.writing_since = None
+            return
         direct = await send_together(send, [start], head)
         body.writing_since = None
         write = body_writer(send, direct)

@@ -857,6 +857,11 @@ class GenerationBody:
         self._held = self._k
         self.stats.replica = other.url
 
+    @property
+    def done(self) -> bool:
+        """Nothing more to send: ``prime()`` returned the whole answer."""
+        return self._done
+
     def __aiter__(self) -> GenerationBody:
         return self
 

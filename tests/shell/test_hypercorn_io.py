@@ -274,8 +274,8 @@ async def test_streamed_bodies_are_framed_directly_and_the_connection_stays_usab
     """A streamed chat on a kept-alive HTTP/1.1 connection: every piece of the body after the
     head goes out through ``chunk_writer`` (none through h11), h11 on the client side parses
     the framing (so every chunk and the final ``0\\r\\n\\r\\n`` are well formed), and the same
-    connection then serves a non-streamed request (its answer goes out as one chunk) and a
-    streamed legacy completion."""
+    connection then serves a non-streamed request (its answer goes out with its head and its
+    end, in one write) and a streamed legacy completion."""
     paths = _Paths(monkeypatch)
     async with running_gateway() as gw:
         host, port = host_port(gw)
@@ -298,8 +298,9 @@ async def test_streamed_bodies_are_framed_directly_and_the_connection_stays_usab
             )
             assert head.status_code == 200
             assert json.loads(body)["object"] == "chat.completion"
-            assert paths.direct == direct + 1 and paths.h11_bodies == 0  # the answer: one piece
-            direct = paths.direct
+            # The whole answer: one piece, framed by h11 with the head and the end (one write).
+            assert paths.direct == direct and paths.h11_bodies == 1
+            paths.h11_bodies = 0
 
             head, body = await exchange(
                 sock,
@@ -805,8 +806,8 @@ async def test_a_responses_head_goes_out_with_its_first_frames(
             if stream:
                 assert b'"role":"assistant"' in framed
                 assert sse_events(body.decode())[-1] == "[DONE]"
-            else:
-                assert b'"object":"chat.completion"' in framed
+            else:  # the whole answer, and the body's end, in that write
+                assert b'"object":"chat.completion"' in framed and framed.endswith(b"0\r\n\r\n")
                 assert json.loads(body)["object"] == "chat.completion"
             writes.writes.clear()
             head, body = await exchange(

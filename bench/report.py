@@ -114,10 +114,11 @@ def pair_ratios(runs: list[dict[str, Any]]) -> dict[tuple, dict[str, float | Non
         for tg in reps.values():
             d = tg.get("direct")
             cpu = {k: v.get("sut_cpu_us_per_chunk") for k, v in tg.items()}
-            for a, b in CPU_PAIRS:
+            builds = [t for t in tg if t.startswith("sieproxy@")]  # A/B: other builds
+            for a, b in CPU_PAIRS + [("sieproxy", t) for t in builds]:
                 if cpu.get(a) and cpu.get(b):
                     add(f"cpu_{a}_over_{b}", cpu[a] / cpu[b])
-            for t in ("sieproxy", "nginx", "litellm", "hypercorn-relay", "trio-pipe"):
+            for t in ("sieproxy", "nginx", "litellm", "hypercorn-relay", "trio-pipe", *builds):
                 r = tg.get(t)
                 if r and d and p(r, "ttft_ms", "p50") is not None and p(d, "ttft_ms", "p50"):
                     add(f"added_ttft_p50_{t}", p(r, "ttft_ms", "p50") - p(d, "ttft_ms", "p50"))
@@ -148,6 +149,12 @@ def ratio_table(ratios: dict[tuple, dict[str, float | None]]) -> str:
         ("throughput_nginx_over_direct", "chunks/s nginx ÷ direct", 2),
         ("throughput_litellm_over_direct", "chunks/s LiteLLM ÷ direct", 2),
     ]
+    builds = sorted({k[len("cpu_sieproxy_over_"):] for r in ratios.values() for k in r
+                     if k.startswith("cpu_sieproxy_over_sieproxy@")})
+    for t in builds:  # an A/B of two builds of the gateway (``--targets sieproxy,sieproxy@REV``)
+        cols += [(f"cpu_sieproxy_over_{t}", f"CPU/chunk sieproxy ÷ {t}", 3),
+                 (f"added_ttft_p50_{t}", f"added TTFT p50 {t} ms", 2),
+                 (f"throughput_{t}_over_direct", f"chunks/s {t} ÷ direct", 2)]
     used = [c for c in cols if any(r.get(c[0]) is not None for r in ratios.values())]
     if not used:
         return "(no pairs to compare)"

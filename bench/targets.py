@@ -110,14 +110,14 @@ class Proc:
 
 
 def spawn(name: str, argv: list[str], port: int, env: dict[str, str] | None = None,
-          tmp: str | None = None) -> Proc:
+          tmp: str | None = None, cwd: Path = ROOT) -> Proc:
     OUT.mkdir(parents=True, exist_ok=True)
     log = OUT / f"{name}.log"
     f = open(log, "wb")  # noqa: SIM115 - handed to the child
     e = dict(os.environ)
     e.update(env or {})
     p = subprocess.Popen(
-        argv, stdout=f, stderr=subprocess.STDOUT, env=e, cwd=ROOT, start_new_session=True
+        argv, stdout=f, stderr=subprocess.STDOUT, env=e, cwd=cwd, start_new_session=True
     )
     f.close()
     return Proc(name, p, log, port, tmp)
@@ -195,11 +195,37 @@ def sieproxy_config(engine_port: int, port: int, tmpdir: str) -> str:
     return path
 
 
+def source_tree(rev: str) -> Path:
+    """The project's files at git revision ``rev``, unpacked once into bench/out/trees/ (for a
+    ``sieproxy@REV`` target: that build of the gateway beside this one, in the same run)."""
+    sha = subprocess.run(
+        ["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=ROOT, check=True,
+        capture_output=True, text=True,
+    ).stdout.strip()
+    tree = OUT / "trees" / sha[:12]
+    if not (tree / "sieproxy" / "__init__.py").is_file():
+        tree.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", sha], cwd=ROOT, check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
+
+
 def start_sieproxy(engine_port: int, cpus: str | None, workers: int = 1,
-                   hypercorn: bool = False) -> Target:
+                   hypercorn: bool = False, rev: str | None = None) -> Target:
+    """The gateway; ``rev``: the build of that git revision (run from its own tree, with the
+    same interpreter and dependencies), named ``sieproxy@REV``."""
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="bench-sieproxy-")
     cfg = sieproxy_config(engine_port, port, tmp)
+    if rev is not None:
+        tree = source_tree(rev)
+        name = f"sieproxy@{rev}"
+        argv = [*taskset(cpus), PY, "-m", "sieproxy", "serve", "--config", cfg]
+        p = spawn(name.replace("/", "_"), argv, port, env={"PYTHONPATH": str(tree)}, tmp=tmp,
+                  cwd=tree)
+        wait_http(port, "/readyz", 60, p.popen, what=name)
+        return Target(name, port, proc=p)
     if workers == 1 and not hypercorn:
         argv = [*taskset(cpus), PY, "-m", "sieproxy", "serve", "--config", cfg]
         name = "sieproxy"
@@ -391,6 +417,8 @@ def start_target(name: str, engine_port: int, cpus: str | None) -> Target:
         return Target("direct", engine_port, split_n=True)
     if name == "sieproxy":
         return start_sieproxy(engine_port, cpus)
+    if name.startswith("sieproxy@"):  # another build of the gateway, for an A/B in one run
+        return start_sieproxy(engine_port, cpus, rev=name[len("sieproxy@"):])
     if name.startswith("hypercorn-w"):
         return start_sieproxy(engine_port, cpus, workers=int(name[11:]), hypercorn=True)
     if name == "nginx":

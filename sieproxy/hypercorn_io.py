@@ -182,6 +182,17 @@ class TCPServer(HypercornTCPServer):
         except OSError:  # would block; reset, broken pipe, closed (fileno -1: EBADF)
             return 0
 
+    def can_hold(self) -> bool:
+        """Whether ``send_together`` may hold this connection's bytes: plain TCP and HTTP/1.1
+        (h11 writes never wait; HTTP/2 may wait for flow control, which needs the client to
+        have seen the bytes), and not held already."""
+        stream: trio.abc.Stream = self.stream  # typed SSLStream by Hypercorn; plain TCP is not
+        return (
+            type(stream) is trio.SocketStream
+            and type(self.protocol.protocol) is H11Protocol
+            and self._held is None
+        )
+
     async def release_held(self) -> None:
         """Stop holding (``send_together``) and write what was held, as Hypercorn writes: not
         cancellable, and still a scheduling point."""
@@ -340,12 +351,11 @@ async def send_together(
 ) -> ChunkWriter | None:
     """Send the ASGI ``messages`` (an ``http.response.start``, and maybe body messages) and then
     ``first``, the body's first streamed piece, as one socket write where the connection is one
-    of ours on plain TCP (the module docstring); elsewhere, each as it would go alone. Returns
-    what ``chunk_writer()`` gives once the head is sent (the way to frame the rest, if any),
-    which has also written ``first``."""
+    of ours, HTTP/1.1 on plain TCP (the module docstring); elsewhere, each as it would go
+    alone. Returns what ``chunk_writer()`` gives once the head is sent (the way to frame the
+    rest, if any), which has also written ``first``."""
     server = _SERVING.get()
-    stream: trio.abc.Stream | None = None if server is None else server.stream
-    if server is None or type(stream) is not trio.SocketStream or server._held is not None:
+    if server is None or not server.can_hold():
         for message in messages:
             await send(message)
         direct = chunk_writer()

@@ -700,6 +700,33 @@ class _Writes:
         monkeypatch.setattr(TCPServer, "write_rest", recording_write_rest)
 
 
+def _holding(server: TCPServer) -> TCPServer:
+    """``server`` as an HTTP/1.1 connection (whose bytes ``send_together`` may hold) with no
+    response in progress that ``chunk_writer()`` could frame."""
+    proto = H11Protocol.__new__(H11Protocol)
+    proto.connection = None  # type: ignore[assignment]
+    server.protocol.protocol = proto  # type: ignore[attr-defined]
+    return server
+
+
+async def test_send_together_holds_nothing_on_another_protocol(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """HTTP/2 (or anything but HTTP/1.1): each message goes out as Hypercorn sends it (an HTTP/2
+    body may wait for the client's flow-control window, which it opens only for bytes it got)."""
+    mine, peer = _pair()
+    server, _ = _server(mine)
+    writes = _Writes(monkeypatch)
+    hypercorn_io._SERVING.set(server)
+
+    async def send(message: dict[str, Any]) -> None:
+        await server.protocol_send(RawData(data=message["type"].encode()))
+
+    await hypercorn_io.send_together(send, [{"type": "a"}, {"type": "b"}])
+    assert writes.writes == [b"a", b"b"]
+    assert await _read_exactly(peer, 2) == b"ab"
+
+
 async def test_send_together_writes_what_hypercorn_sends_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -707,6 +734,7 @@ async def test_send_together_writes_what_hypercorn_sends_once(
     with one write, in order, and the call is still a scheduling point."""
     mine, peer = _pair()
     server, _ = _server(mine)
+    _holding(server)
     writes = _Writes(monkeypatch)
     hypercorn_io._SERVING.set(server)
 
@@ -734,6 +762,7 @@ async def test_send_together_without_a_framing_connection_sends_the_first_piece_
     (Hypercorn frames it), and it is held with the head."""
     mine, peer = _pair()
     server, _ = _server(mine)
+    _holding(server)
     writes = _Writes(monkeypatch)
     hypercorn_io._SERVING.set(server)
     sent: list[dict[str, Any]] = []
@@ -756,6 +785,7 @@ async def test_send_together_writes_what_it_held_when_a_send_fails(
     sent theirs still gets those written (shielded), and the error propagates."""
     mine, peer = _pair()
     server, _ = _server(mine)
+    _holding(server)
     writes = _Writes(monkeypatch)
     hypercorn_io._SERVING.set(server)
 
@@ -823,6 +853,7 @@ async def test_send_together_writes_what_it_held_before_the_connection_closes() 
     Hypercorn closes it while the bytes are held, and they go out first."""
     mine, peer = _pair()
     server, _ = _server(mine)
+    _holding(server)
     hypercorn_io._SERVING.set(server)
 
     async def send(message: dict[str, Any]) -> None:

@@ -352,8 +352,8 @@ async def send_together(
     """Send the ASGI ``messages`` (an ``http.response.start``, and maybe body messages) and then
     ``first``, the body's first streamed piece, as one socket write where the connection is one
     of ours, HTTP/1.1 on plain TCP (the module docstring); elsewhere, each as it would go
-    alone. Returns what ``chunk_writer()`` gives once the head is sent (the way to frame the
-    rest, if any), which has also written ``first``."""
+    alone. Returns ``chunk_writer()``'s writer for the rest of the body (``None`` where the
+    gateway does not frame the body itself: ``body_writer`` then sends through ASGI)."""
     server = _SERVING.get()
     if server is None or not server.can_hold():
         for message in messages:

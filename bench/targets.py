@@ -112,7 +112,7 @@ class Proc:
 def spawn(name: str, argv: list[str], port: int, env: dict[str, str] | None = None,
           tmp: str | None = None, cwd: Path = ROOT) -> Proc:
     OUT.mkdir(parents=True, exist_ok=True)
-    log = OUT / f"{name}.log"
+    log = OUT / f"{name.replace('/', '_')}.log"  # a target may name a revision: sieproxy@a/b
     f = open(log, "wb")  # noqa: SIM115 - handed to the child
     e = dict(os.environ)
     e.update(env or {})
@@ -203,11 +203,14 @@ def source_tree(rev: str) -> Path:
         capture_output=True, text=True,
     ).stdout.strip()
     tree = OUT / "trees" / sha[:12]
-    if not (tree / "sieproxy" / "__init__.py").is_file():
-        tree.mkdir(parents=True, exist_ok=True)
+    if not tree.is_dir():
+        tree.parent.mkdir(parents=True, exist_ok=True)
         archive = subprocess.run(["git", "archive", sha], cwd=ROOT, check=True,
                                  capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        # Unpacked beside it and renamed: an interrupted unpack never passes for a whole tree.
+        part = Path(tempfile.mkdtemp(prefix=f"{sha[:12]}-", dir=tree.parent))
+        subprocess.run(["tar", "-x", "-C", str(part)], input=archive, check=True)
+        part.rename(tree)
     return tree
 
 
@@ -218,17 +221,13 @@ def start_sieproxy(engine_port: int, cpus: str | None, workers: int = 1,
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="bench-sieproxy-")
     cfg = sieproxy_config(engine_port, port, tmp)
-    if rev is not None:
-        tree = source_tree(rev)
-        name = f"sieproxy@{rev}"
-        argv = [*taskset(cpus), PY, "-m", "sieproxy", "serve", "--config", cfg]
-        p = spawn(name.replace("/", "_"), argv, port, env={"PYTHONPATH": str(tree)}, tmp=tmp,
-                  cwd=tree)
-        wait_http(port, "/readyz", 60, p.popen, what=name)
-        return Target(name, port, proc=p)
+    env, cwd = {"SIEPROXY_CONFIG": cfg}, ROOT
+    if rev is not None:  # that revision's files come first on the path, and are the cwd
+        cwd = source_tree(rev)
+        env["PYTHONPATH"] = str(cwd)
     if workers == 1 and not hypercorn:
         argv = [*taskset(cpus), PY, "-m", "sieproxy", "serve", "--config", cfg]
-        name = "sieproxy"
+        name = "sieproxy" if rev is None else f"sieproxy@{rev}"
     else:
         hyper = str(Path(PY).parent / "hypercorn")
         argv = [
@@ -236,7 +235,7 @@ def start_sieproxy(engine_port: int, cpus: str | None, workers: int = 1,
             f"127.0.0.1:{port}", "--keep-alive", "75", "--backlog", "2048", "sieproxy.asgi:app",
         ]
         name = f"hypercorn-w{workers}"
-    p = spawn(name, argv, port, env={"SIEPROXY_CONFIG": cfg}, tmp=tmp)
+    p = spawn(name, argv, port, env=env, tmp=tmp, cwd=cwd)
     wait_http(port, "/readyz", 60, p.popen, what=name)
     return Target(name, port, proc=p)
 

@@ -294,14 +294,15 @@ async def _send_generation(
             return
         # The head and the first frames go out in one socket write; the whole answer (not
         # streamed, or a stream that ended at once) with the body's end too.
-        start = {"type": "http.response.start", "status": 200, "headers": headers}
-        body.writing_since = trio.current_time()
+        messages = [{"type": "http.response.start", "status": 200, "headers": headers}]
         if body.done:
-            await send_together(send, [start, {"type": "http.response.body", "body": head}])
-            body.writing_since = None
-            return
-        direct = await send_together(send, [start], head)
+            messages.append({"type": "http.response.body", "body": head})
+            head = b""
+        body.writing_since = trio.current_time()
+        direct = await send_together(send, messages, head)
         body.writing_since = None
+        if body.done:
+            return
         write = body_writer(send, direct)
         if direct is not None:
             body.carry(direct)  # the relay pump may write its chunks (sieproxy/pump.py)

@@ -264,6 +264,12 @@ async def _until_closed(gw: Gateway, raw: bytes) -> bytes:
     return bytes(got)
 
 
+async def _kept_alive(gw: Gateway) -> tuple[trio.SocketStream, h11.Connection]:
+    """A new connection to the gateway and the h11 client state that parses its answers."""
+    host, port = host_port(gw)
+    return await trio.open_tcp_stream(host, int(port)), h11.Connection(h11.CLIENT)
+
+
 def _chat(**extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
 
@@ -278,10 +284,8 @@ async def test_streamed_bodies_are_framed_directly_and_the_connection_stays_usab
     end, in one write) and a streamed legacy completion."""
     paths = _Paths(monkeypatch)
     async with running_gateway() as gw:
-        host, port = host_port(gw)
         paths.reset()
-        sock = await trio.open_tcp_stream(host, int(port))
-        conn = h11.Connection(h11.CLIENT)
+        sock, conn = await _kept_alive(gw)
         with trio.fail_after(20):
             head, body = await exchange(
                 sock, conn, *_post("/v1/chat/completions", _chat(stream=True, max_tokens=12))
@@ -821,10 +825,8 @@ async def test_a_responses_head_goes_out_with_its_first_frames(
     answer), and h11 on the client side parses the exchange; an error answer (a 400) is one
     write too."""
     async with running_gateway() as gw:
-        host, port = host_port(gw)
         writes = _Writes(monkeypatch)
-        sock = await trio.open_tcp_stream(host, int(port))
-        conn = h11.Connection(h11.CLIENT)
+        sock, conn = await _kept_alive(gw)
         with trio.fail_after(20):
             head, body = await exchange(
                 sock, conn, *_post("/v1/chat/completions", _chat(stream=stream, max_tokens=4))

@@ -296,7 +296,7 @@ async def _send_generation(
         # streamed, or a stream that ended at once) with the body's end too.
         messages = [{"type": "http.response.start", "status": 200, "headers": headers}]
         if body.done:
-            messages.append({"type": "http.response.body", "body": head})
+            messages.append(_body(head, more=False))
             head = b""
         body.writing_since = trio.current_time()
         direct = await send_together(send, messages, head)
@@ -311,11 +311,20 @@ async def _send_generation(
                 data = await body.__anext__()
             except StopAsyncIteration:
                 break
-            if data:
-                body.writing_since = trio.current_time()
-                await write(data)
+            if not data:
+                continue
+            body.writing_since = trio.current_time()
+            if body.done:  # the last frames ([DONE], or an error event): with the body's end
+                await send_together(send, [], data, (_body(b"", more=False),))
                 body.writing_since = None
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            await write(data)
+            body.writing_since = None
+    await send(_body(b"", more=False))
+
+
+def _body(data: bytes | str, *, more: bool) -> dict[str, Any]:
+    return {"type": "http.response.body", "body": data, "more_body": more}
 
 
 async def _send_whole(send: Any, resp: Response, *, close: bool = False) -> None:
@@ -324,7 +333,7 @@ async def _send_whole(send: Any, resp: Response, *, close: bool = False) -> None
     if close:
         headers.append((b"connection", b"close"))
     start = {"type": "http.response.start", "status": resp.status_code, "headers": headers}
-    await send_together(send, [start, {"type": "http.response.body", "body": data}])
+    await send_together(send, [start, _body(data, more=False)])
 
 
 class GatewayApp(QuartTrio):

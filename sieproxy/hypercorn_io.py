@@ -56,11 +56,12 @@ after the first response a kept-alive connection was never closed for being idle
 scheduler round trips in every request's path.
 
 ``send_together()`` sends a response's head with the first piece of its body (or a whole
-answer: head, body and end) in one socket write: while it sends the ASGI messages, the bytes
-Hypercorn hands the connection are held and then written at once. A streamed response's head
-used to go out alone, as soon as the app sent it, and its first token in a second write right
-after: one system call more per response, and one more wake-up of the client before it has
-anything to read. Hypercorn and h11 see every message as before.
+answer: head, body and end) in one socket write, and a stream's last piece with the body's
+end in another: while it sends the ASGI messages, the bytes Hypercorn hands the connection
+are held and then written at once. A streamed response's head used to go out alone, as soon
+as the app sent it, and its first token in a second write right after; its last frames and
+the empty last chunk went out in two writes too: two system calls more per response, and two
+more wake-ups of the client. Hypercorn and h11 see every message as before.
 
 ``watch_disconnect()`` is the other ASGI-side piece the gateway shares with the bench's
 ``hypercorn-relay`` floor (``bench/hyperrelay.py``): one task per request that drops what is
@@ -348,12 +349,15 @@ async def send_together(
     send: Callable[[dict[str, Any]], Awaitable[None]],
     messages: list[dict[str, Any]],
     first: bytes = b"",
+    then: tuple[dict[str, Any], ...] = (),
 ) -> ChunkWriter | None:
-    """Send the ASGI ``messages`` (an ``http.response.start``, and maybe body messages) and then
-    ``first``, the body's first streamed piece, as one socket write where the connection is one
-    of ours, HTTP/1.1 on plain TCP (the module docstring); elsewhere, each as it would go
-    alone. Returns ``chunk_writer()``'s writer for the rest of the body (``None`` where the
-    gateway does not frame the body itself: ``body_writer`` then sends through ASGI)."""
+    """Send the ASGI ``messages`` (an ``http.response.start``, and maybe body messages), then
+    ``first``, a streamed piece of the body, then the messages ``then`` (the body's end), as
+    one socket write where the connection is one of ours, HTTP/1.1 on plain TCP (the module
+    docstring); elsewhere, each as it would go alone. ``first`` is framed the way the rest of
+    the body is: by the gateway where ``chunk_writer()`` gives a writer, through ASGI
+    otherwise. Returns that writer, for the rest of the body (``None`` where the gateway does
+    not frame the body itself: ``body_writer`` then sends through ASGI)."""
     server = _SERVING.get()
     if server is None or not server.can_hold():
         for message in messages:
@@ -361,6 +365,8 @@ async def send_together(
         direct = chunk_writer()
         if first:
             await body_writer(send, direct)(first)
+        for message in then:
+            await send(message)
         return direct
     await trio.lowlevel.checkpoint_if_cancelled()  # a cancelled task sends nothing, as before
     server._held = b""
@@ -374,6 +380,8 @@ async def send_together(
                 server._held += _frame(first)
             else:  # Hypercorn frames it (HTTP/1.0): held as well
                 await send({"type": "http.response.body", "body": first, "more_body": True})
+        for message in then:
+            await send(message)
     finally:
         # Also when a send failed or the task was cancelled (the end of a whole answer makes
         # Hypercorn tell the app's disconnect watcher, which cancels the response): Hypercorn

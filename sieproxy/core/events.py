@@ -30,13 +30,18 @@ __all__ = [
 ]
 
 
-class TopLogprob(Struct):
+# The events are plain data (strings, numbers, lists of other events): they can never be part
+# of a reference cycle, so the cycle collector does not track them (``gc=False``). A relayed
+# token creates a few of them; tracked, each one also counted toward the next collection.
+
+
+class TopLogprob(Struct, gc=False):
     token: str
     token_id: int
     logprob: float
 
 
-class TokenLogprob(Struct):
+class TokenLogprob(Struct, gc=False):
     """One generated token's logprob, with its top alternatives (``top`` empty if not asked)."""
 
     token: str
@@ -45,7 +50,7 @@ class TokenLogprob(Struct):
     top: list[TopLogprob] = []
 
 
-class CandidateDelta(Struct):
+class CandidateDelta(Struct, gc=False):
     """New output of one candidate since its previous delta (already de-cumulated)."""
 
     text: str
@@ -53,7 +58,7 @@ class CandidateDelta(Struct):
     logprobs: list[TokenLogprob] = []
 
 
-class CandidateFinish(Struct):
+class CandidateFinish(Struct, gc=False):
     """The terminal state of one candidate as the engine reported it.
 
     ``reason`` is SGLang's ``finish_reason.type`` passed through (``stop``, ``length``, ``abort``
@@ -68,7 +73,7 @@ class CandidateFinish(Struct):
     reasoning_tokens: int = 0
 
 
-class ToolCallDelta(Struct):
+class ToolCallDelta(Struct, gc=False):
     """One OpenAI tool-call delta fragment: ``id`` and ``name`` only on a call's first one."""
 
     index: int
@@ -77,7 +82,7 @@ class ToolCallDelta(Struct):
     arguments: str = ""
 
 
-class ChoiceDelta(Struct):
+class ChoiceDelta(Struct, gc=False):
     """What one choice adds to the response: visible text, reasoning, tool-call fragments."""
 
     content: str = ""

@@ -251,6 +251,26 @@ class _StreamBase:
         )
         self._tail = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
         self.choices: list[ChoiceState] = []
+        self._affixes: list[tuple[bytes, bytes]] = []  # ``_text_chunk``'s, per choice index
+
+    def _text_choice(self, index: int, text: str) -> Struct:
+        """The choice of a chunk that carries only ``text`` (what ``_text_chunk`` frames)."""
+        raise NotImplementedError
+
+    def _text_chunk(self, index: int, text: str) -> bytes:
+        """The chunk ``_chunk`` writes for ``_text_choice(index, text)``, byte for byte, from
+        the bytes around the text encoded once per choice: the common chunk of a stream (a
+        token of text) then costs one string encoding instead of two Structs and their
+        encoding."""
+        affixes = self._affixes
+        while len(affixes) <= index:
+            # The choice with an empty text, split around that text's encoding (``""``, the
+            # last one: the text is the last string field before the constant tail).
+            whole = _enc.encode(self._text_choice(len(affixes), ""))
+            cut = whole.rindex(b'""')
+            affixes.append((self._head + whole[:cut], whole[cut + 2 :] + self._tail))
+        pre, post = affixes[index]
+        return b"".join((pre, _enc.encode(text), post))
 
     def _to(self, event: _Ev) -> None:
         nxt = _STREAM_TRANSITIONS.get((self.phase, event))
@@ -362,9 +382,15 @@ class ChatStream(_StreamBase):
 
     def on_delta(self, index: int, delta: CandidateDelta) -> bytes:
         """Output of candidate ``index``: zero or more chunks."""
+        cd = self._feed(index, delta)
+        if cd.content and not (cd.reasoning or cd.tool_calls or cd.logprobs):
+            return self._text_chunk(index, cd.content)  # most deltas: one token of content
         out = bytearray()
-        self._delta_chunks(out, index, self._feed(index, delta))  # nothing for an empty delta
+        self._delta_chunks(out, index, cd)  # nothing for an empty delta
         return bytes(out)
+
+    def _text_choice(self, index: int, text: str) -> Struct:
+        return _ChunkChoice(index, _Delta(content=text))
 
     def on_finish(self, index: int, finish: CandidateFinish) -> bytes:
         """Candidate ``index`` ended: its flushed tail, then its closure chunk."""
@@ -410,9 +436,10 @@ class CompletionStream(_StreamBase):
         cd = self._feed(index, delta)
         if not cd.content:
             return b""
-        out = bytearray()
-        self._chunk(out, _TextChunkChoice(index, cd.content))
-        return bytes(out)
+        return self._text_chunk(index, cd.content)
+
+    def _text_choice(self, index: int, text: str) -> Struct:
+        return _TextChunkChoice(index, text)
 
     def on_finish(self, index: int, finish: CandidateFinish) -> bytes:
         """The last chunk: any held-back text, with the finish reason."""

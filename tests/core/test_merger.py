@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import json
 import random
 from typing import Any
@@ -7,7 +8,14 @@ from typing import Any
 import pytest
 
 from sieproxy.core.errors import EngineTimeout
-from sieproxy.core.events import CandidateDelta, CandidateFinish, TokenLogprob, ToolCallDelta
+from sieproxy.core.events import (
+    CandidateDelta,
+    CandidateFinish,
+    ChoiceDelta,
+    TokenLogprob,
+    ToolCallDelta,
+    TopLogprob,
+)
 from sieproxy.core.merger import (
     ChatCollector,
     ChatStream,
@@ -550,3 +558,52 @@ def test_tool_call_without_id_gets_one() -> None:
     coll.on_finish(0, CandidateFinish("stop", None, 1, 3))
     (c,) = json.loads(coll.result())["choices"]
     assert c["message"]["tool_calls"][0]["id"] == "call_0_0"
+
+
+_CHARS = [0x22, 0x5C, 0x0A, 0x00, 0x41, 0xE9, 0x6F22, 0x1F642, 0x2028]
+_RNG = random.Random(6)
+_TEXTS = ["", "a", " tok", '"', "\\", "\n\t\r", "\x00\x1f\x7f", "é", "漢字", "🙂", '"},{'] + [
+    "".join(chr(_RNG.choice(_CHARS)) for _ in range(_RNG.randint(1, 8))) for _ in range(40)
+]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_token_of_text_is_framed_as_its_choice_struct_would_be(include_usage: bool) -> None:
+    """The pre-encoded chunk of one token of text (``_text_chunk``) is, byte for byte, the
+    chunk of its choice Struct, for every choice index, in chat and legacy completion streams,
+    and ``on_delta`` sends it for a plain delta."""
+    streams = [
+        ChatStream(chat(4, include_usage=include_usage), response_id="r", model="m", created=1),
+        CompletionStream(completion(), response_id="r\"", model="m\u00e9", created=CREATED),
+    ]
+    for s in streams:
+        s.start()
+        indices = range(len(s.choices))
+        for text in _TEXTS:
+            for i in indices:
+                expected = bytearray()
+                s._chunk(expected, s._text_choice(i, text))
+                assert s._text_chunk(i, text) == bytes(expected)
+                if text:
+                    assert s.on_delta(i, CandidateDelta(text, 1)) == bytes(expected)
+        for i in indices:  # the frames decode to the documented chunk
+            (frame,) = decode(s.on_delta(i, CandidateDelta('x"\n', 2)))
+            choice = frame["choices"][0]
+            assert choice["index"] == i
+            assert choice.get("text", choice.get("delta", {}).get("content")) == 'x"\n'
+
+
+def test_the_events_of_a_token_are_not_tracked_by_the_cycle_collector() -> None:
+    """Every relayed token creates events; they are plain data (no cycle can run through
+    them), so the collector does not track them (``gc=False``) — and a delta's lists, which
+    it does track, still hold what was put in them."""
+    lp = TokenLogprob("a", 1, -0.5, [TopLogprob("a", 1, -0.5)])
+    events = [
+        CandidateDelta("a", 1, [lp]),
+        CandidateFinish("stop"),
+        ChoiceDelta("a", tool_calls=[ToolCallDelta(0, "id", "fn", "{}")], logprobs=[lp]),
+        lp,
+        lp.top[0],
+    ]
+    assert [gc.is_tracked(e) for e in events] == [False] * len(events)
+    assert events[2].logprobs[0].top[0].logprob == -0.5

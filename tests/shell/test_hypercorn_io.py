@@ -278,10 +278,11 @@ async def test_streamed_bodies_are_framed_directly_and_the_connection_stays_usab
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A streamed chat on a kept-alive HTTP/1.1 connection: every piece of the body after the
-    head goes out through ``chunk_writer`` (none through h11), h11 on the client side parses
-    the framing (so every chunk and the final ``0\\r\\n\\r\\n`` are well formed), and the same
-    connection then serves a non-streamed request (its answer goes out with its head and its
-    end, in one write) and a streamed legacy completion."""
+    head is framed by the gateway (none by h11; the last one goes out with the body's end, in
+    one write: ``send_together``), h11 on the client side parses the framing (so every chunk
+    and the final ``0\\r\\n\\r\\n`` are well formed), and the same connection then serves a
+    non-streamed request (its answer goes out with its head and its end, in one write) and a
+    streamed legacy completion."""
     paths = _Paths(monkeypatch)
     async with running_gateway() as gw:
         paths.reset()
@@ -822,8 +823,8 @@ async def test_a_responses_head_goes_out_with_its_first_frames(
 ) -> None:
     """On a real gateway over HTTP/1.1: the socket write that carries the status line also
     carries the first chunk of the body (the role chunk and the first token, or the whole
-    answer), and h11 on the client side parses the exchange; an error answer (a 400) is one
-    write too."""
+    answer), a stream's last write carries its last frames and the body's end, and h11 on the
+    client side parses the exchange; an error answer (a 400) is one write too."""
     async with running_gateway() as gw:
         writes = _Writes(monkeypatch)
         sock, conn = await _kept_alive(gw)
@@ -841,6 +842,8 @@ async def test_a_responses_head_goes_out_with_its_first_frames(
             else:  # the whole answer, and the body's end, in that write
                 assert b'"object":"chat.completion"' in framed and framed.endswith(b"0\r\n\r\n")
                 assert json.loads(body)["object"] == "chat.completion"
+            if stream:  # the last frames and the body's end: one write, the response's last
+                assert writes.writes[-1] == b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
             writes.writes.clear()
             head, body = await exchange(
                 sock, conn, *_post("/v1/chat/completions", _chat(temperature=-1))

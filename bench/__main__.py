@@ -10,6 +10,8 @@ its own section of bench/RESULTS.md plus SVG plots beside it):
                 beside the stack's floors; the native harness by default
     soak        many concurrent streams for minutes, clients joining and leaving; memory, leaks
     workers     one vs two Hypercorn worker processes behind one port (saturated throughput)
+    token-path  instructions per relayed token in the gateway's own code (valgrind; builds
+                compared exactly, where timed runs on this machine cannot resolve 5 %)
 
 Method: docs/BENCH-METHOD.md.
 """
@@ -20,6 +22,7 @@ import argparse
 import json
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -107,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds per run of a ceiling probe (one alone, two at once, one, two, "
                    "one)")
     w.set_defaults(engine="native", loadgen="native")
+    tp = sub.add_parser("token-path", help="instructions per relayed token (valgrind), builds "
+                        "compared")
+    tp.add_argument("--against", type=_csv(str), default=[],
+                    help="git revisions whose builds are counted beside this tree's")
+    tp.add_argument("--tokens", type=_csv(int), default=[2000, 10000],
+                    help="the two token counts whose difference is divided (default 2000,10000)")
+    tp.add_argument("--no-results", action="store_true", help="do not touch bench/RESULTS.md")
     return p
 
 
@@ -199,7 +209,9 @@ def _plot(a: argparse.Namespace, name: str) -> Path:
 def _finish(a: argparse.Namespace, name: str, md: str, verdicts: list[dict[str, Any]],
             path: Path) -> None:
     PROGRESS.done()
-    md = md + "\n\nTargets from this run:\n\n" + R.targets_table(verdicts) + "\n"
+    if verdicts:
+        md = md + "\n\nTargets from this run:\n\n" + R.targets_table(verdicts)
+    md += "\n"
     print(md)
     print(f"(raw results: {path})", file=sys.stderr)
     if not a.no_results:
@@ -733,13 +745,57 @@ def cmd_workers(a: argparse.Namespace) -> None:
     _finish(a, "workers", md, verdicts, path)
 
 
+def cmd_token_path(a: argparse.Namespace) -> None:
+    """bench/token_path.py under callgrind, for this tree and each ``--against`` revision."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bench import token_path as TP
+
+    lo, hi = sorted(a.tokens)[0], sorted(a.tokens)[-1]
+    if hi <= lo:
+        raise SystemExit("--tokens needs two different counts")
+    cfg = T.sieproxy_config(9, 9, tempfile.mkdtemp(prefix="bench-token-path-"))
+    builds: dict[str, Path | None] = {"sieproxy": None}
+    for rev in a.against:
+        builds[f"sieproxy@{rev}"] = T.source_tree(rev)
+    jobs = [(name, n) for name in builds for n in (lo, hi)]
+    PROGRESS.note(f"callgrind: {len(jobs)} runs of bench/token_path.py, two at a time ...")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        counts = dict(zip(jobs, pool.map(
+            lambda job: TP.instructions(job[1], cfg, builds[job[0]]), jobs), strict=True))
+    per = {name: (counts[(name, hi)] - counts[(name, lo)]) / (hi - lo) for name in builds}
+    mine = per["sieproxy"]
+    rows = ["| build | instructions per relayed token | ÷ this tree's |", "|---|---|---|"]
+    rows += [f"| {name} | {v:,.0f} | {v / mine:.3f} |" for name, v in per.items()]
+    meta = {"command": "python -m bench " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "versions": versions(False),
+            "machine": machine(), "tokens": [lo, hi]}
+    runs = [{"target": n, "tokens": k, "instructions": c} for (n, k), c in counts.items()]
+    path = _save("token-path", meta, runs, extra={"per_token": per})
+    m = meta["machine"]
+    v = ", ".join(f"{k} {x}" for k, x in meta["versions"].items() if x)
+    md = "\n".join([
+        f"## token-path — {meta['date']}", "", f"Command: `{meta['command']}`", "",
+        f"Machine: {m['nproc']} CPUs ({m['cpu']}), Linux {m['kernel']}; valgrind's callgrind "
+        f"counts instructions, so the figures do not depend on the machine's load.", "",
+        f"Versions: {v}.", "",
+        f"Each build relays {lo:,} and then {hi:,} tokens of a streamed chat through "
+        "`GenerationBody.ride()` (bench/token_path.py: the relay pump's step, real code from "
+        "the engine's bytes to the client's framed chunk, no system calls); the difference "
+        "between the two runs, divided by the difference in tokens, is the figure.", "",
+        *rows,
+    ])
+    _finish(a, "token_path", md, [], path)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     raise_nofile()
     if "litellm" in getattr(a, "targets", []) and T.ensure_litellm(PROGRESS.note) is None:
         PROGRESS.note("LiteLLM unavailable; continuing without it")
     {"relay": cmd_relay, "latency": cmd_latency, "disconnect": cmd_disconnect,
-     "streams": cmd_streams, "soak": cmd_soak, "workers": cmd_workers}[a.cmd](a)
+     "streams": cmd_streams, "soak": cmd_soak, "workers": cmd_workers,
+     "token-path": cmd_token_path}[a.cmd](a)
     return 0
 
 

@@ -128,6 +128,8 @@ def pair_ratios(runs: list[dict[str, Any]]) -> dict[tuple, dict[str, float | Non
                 if r and d and d["chunks_per_s"]:
                     add(f"throughput_{t}_over_direct", r["chunks_per_s"] / d["chunks_per_s"])
         out[key] = {k: med(v) for k, v in acc.items()}
+        for k, v in acc.items():  # the spread of the per-round ratios (see ``ratio_table``)
+            out[key][f"{k}:min"], out[key][f"{k}:max"] = min(v), max(v)
         out[key]["pairs"] = len(reps)
     return out
 
@@ -150,9 +152,11 @@ def ratio_table(ratios: dict[tuple, dict[str, float | None]]) -> str:
         ("throughput_litellm_over_direct", "chunks/s LiteLLM ÷ direct", 2),
     ]
     builds = sorted({k[len("cpu_sieproxy_over_"):] for r in ratios.values() for k in r
-                     if k.startswith("cpu_sieproxy_over_sieproxy@")})
+                     if k.startswith("cpu_sieproxy_over_sieproxy@") and ":" not in k})
     for t in builds:  # an A/B of two builds of the gateway (``--targets sieproxy,sieproxy@REV``)
-        cols += [(f"cpu_sieproxy_over_{t}", f"CPU/chunk sieproxy ÷ {t}", 3),
+        # Its CPU ratio with the range of the per-round ratios: a difference smaller than that
+        # spread is not resolved by the run (docs/BENCH-METHOD.md).
+        cols += [(f"cpu_sieproxy_over_{t}", f"CPU/chunk sieproxy ÷ {t} (per-round range)", 3),
                  (f"added_ttft_p50_{t}", f"added TTFT p50 {t} ms", 2),
                  (f"throughput_{t}_over_direct", f"chunks/s {t} ÷ direct", 2)]
     used = [c for c in cols if any(r.get(c[0]) is not None for r in ratios.values())]
@@ -163,8 +167,17 @@ def ratio_table(ratios: dict[tuple, dict[str, float | None]]) -> str:
     for key in sorted(ratios):
         r = ratios[key]
         rows.append(f"| {key[0]} | {key[1]} | {fmt(key[2])} | {r['pairs']} | "
-                    + " | ".join(fmt(r.get(c[0]), c[2]) for c in used) + " |")
+                    + " | ".join(_ratio_cell(r, c[0], c[2], "range" in c[1]) for c in used)
+                    + " |")
     return "\n".join(rows)
+
+
+def _ratio_cell(r: dict[str, float | None], k: str, digits: int, spread: bool) -> str:
+    cell = fmt(r.get(k), digits)
+    lo, hi = r.get(f"{k}:min"), r.get(f"{k}:max")
+    if spread and lo is not None and hi is not None and r.get("pairs", 0) > 1:  # type: ignore[operator]
+        cell += f" ({fmt(lo, digits)}–{fmt(hi, digits)})"
+    return cell
 
 
 # ---- verdicts -----------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ __all__ = [
 
 # The events are plain data (strings, numbers, lists of other events): they can never be part
 # of a reference cycle, so the cycle collector does not track them (``gc=False``). A relayed
-# token creates a few of them; tracked, each one also counted toward the next collection.
+# token creates a few of them; tracked, each one would be linked into the collector's young
+# generation when made and unlinked when freed (the lists inside them still are).
 
 
 class TopLogprob(Struct, gc=False):

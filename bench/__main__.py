@@ -154,12 +154,19 @@ def _strip(run: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in run.items() if not k.endswith("_samples")}
 
 
-def _meta(a: argparse.Namespace, b: Bench) -> dict[str, Any]:
+def _run_meta(litellm: bool = False) -> dict[str, Any]:
+    """What every recorded run says about itself: the command, when, versions, the machine."""
     return {
         "command": "python -m bench " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "versions": versions("litellm" in getattr(a, "targets", [])),
+        "versions": versions(litellm),
         "machine": machine(),
+    }
+
+
+def _meta(a: argparse.Namespace, b: Bench) -> dict[str, Any]:
+    return {
+        **_run_meta("litellm" in getattr(a, "targets", [])),
         "layout": {"sut_cpus": b.layout.sut, "engine_and_loadgen_cpus": b.layout.harness},
         "engine": {"kind": a.engine, "tokens": b.tokens, "ttft_ms": b.ttft_ms,
                    "incremental": b.incremental},
@@ -168,19 +175,27 @@ def _meta(a: argparse.Namespace, b: Bench) -> dict[str, Any]:
     }
 
 
-def _header(name: str, meta: dict[str, Any]) -> str:
+def _intro(name: str, meta: dict[str, Any], how: str) -> list[str]:
+    """A recorded section's first lines: title, command, machine (``how`` it ran there) and
+    versions."""
     v = ", ".join(f"{k} {x}" for k, x in meta["versions"].items() if x)
     m = meta["machine"]
+    return [
+        f"## {name} — {meta['date']}", "",
+        f"Command: `{meta['command']}`", "",
+        f"Machine: {m['nproc']} CPUs ({m['cpu']}), {m['mem_gib']} GiB, Linux {m['kernel']}; "
+        f"{how}.", "",
+        f"Versions: {v}.", "",
+    ]
+
+
+def _header(name: str, meta: dict[str, Any]) -> str:
     lay = meta["layout"]
     pin = (f"SUT pinned to CPU {lay['sut_cpus']}, engine + load generator to CPU "
            f"{lay['engine_and_loadgen_cpus']}" if lay["sut_cpus"] else "unpinned")
     e = meta["engine"]
     lines = [
-        f"## {name} — {meta['date']}", "",
-        f"Command: `{meta['command']}`", "",
-        f"Machine: {m['nproc']} CPUs ({m['cpu']}), {m['mem_gib']} GiB, Linux {m['kernel']}; "
-        f"{pin}.", "",
-        f"Versions: {v}.", "",
+        *_intro(name, meta, pin),
         f"Engine: `{e['kind']}` ({'incremental' if e['incremental'] else 'cumulative'} text), "
         f"{e['tokens']} tokens per response, TTFT {e['ttft_ms']:g} ms; load generator: "
         f"`{meta.get('loadgen', 'python')}`.", "",
@@ -751,7 +766,7 @@ def cmd_token_path(a: argparse.Namespace) -> None:
 
     from bench import token_path as TP
 
-    lo, hi = sorted(a.tokens)[0], sorted(a.tokens)[-1]
+    lo, hi = min(a.tokens), max(a.tokens)
     if hi <= lo:
         raise SystemExit("--tokens needs two different counts")
     cfg = T.sieproxy_config(9, 9, tempfile.mkdtemp(prefix="bench-token-path-"))
@@ -767,18 +782,12 @@ def cmd_token_path(a: argparse.Namespace) -> None:
     mine = per["sieproxy"]
     rows = ["| build | instructions per relayed token | ÷ this tree's |", "|---|---|---|"]
     rows += [f"| {name} | {v:,.0f} | {v / mine:.3f} |" for name, v in per.items()]
-    meta = {"command": "python -m bench " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "versions": versions(False),
-            "machine": machine(), "tokens": [lo, hi]}
+    meta = {**_run_meta(), "tokens": [lo, hi]}
     runs = [{"target": n, "tokens": k, "instructions": c} for (n, k), c in counts.items()]
     path = _save("token-path", meta, runs, extra={"per_token": per})
-    m = meta["machine"]
-    v = ", ".join(f"{k} {x}" for k, x in meta["versions"].items() if x)
     md = "\n".join([
-        f"## token-path — {meta['date']}", "", f"Command: `{meta['command']}`", "",
-        f"Machine: {m['nproc']} CPUs ({m['cpu']}), Linux {m['kernel']}; valgrind's callgrind "
-        f"counts instructions, so the figures do not depend on the machine's load.", "",
-        f"Versions: {v}.", "",
+        *_intro("token-path", meta, "valgrind's callgrind counts instructions, so the figures "
+                "do not depend on the machine's load"),
         f"Each build relays {lo:,} and then {hi:,} tokens of a streamed chat through "
         "`GenerationBody.ride()` (bench/token_path.py: the relay pump's step, real code from "
         "the engine's bytes to the client's framed chunk, no system calls); the difference "

@@ -167,15 +167,17 @@ def ratio_table(ratios: dict[tuple, dict[str, float | None]]) -> str:
     for key in sorted(ratios):
         r = ratios[key]
         rows.append(f"| {key[0]} | {key[1]} | {fmt(key[2])} | {r['pairs']} | "
-                    + " | ".join(_ratio_cell(r, c[0], c[2], "range" in c[1]) for c in used)
+                    + " | ".join(_ratio_cell(r, c[0], c[2]) for c in used)
                     + " |")
     return "\n".join(rows)
 
 
-def _ratio_cell(r: dict[str, float | None], k: str, digits: int, spread: bool) -> str:
+def _ratio_cell(r: dict[str, float | None], k: str, digits: int) -> str:
+    """A ratio; an A/B build comparison's CPU ratio with its per-round range."""
     cell = fmt(r.get(k), digits)
     lo, hi = r.get(f"{k}:min"), r.get(f"{k}:max")
-    if spread and lo is not None and hi is not None and r.get("pairs", 0) > 1:  # type: ignore[operator]
+    ab = k.startswith("cpu_sieproxy_over_sieproxy@")
+    if ab and lo is not None and hi is not None and (r.get("pairs") or 0) > 1:
         cell += f" ({fmt(lo, digits)}–{fmt(hi, digits)})"
     return cell
 

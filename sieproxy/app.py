@@ -298,9 +298,7 @@ async def _send_generation(
         if body.done:
             messages.append(_body(head, more=False))
             head = b""
-        body.writing_since = trio.current_time()
-        direct = await send_together(send, messages, head)
-        body.writing_since = None
+        direct = await body.client_write(send_together(send, messages, head))
         if body.done:
             return
         write = body_writer(send, direct)
@@ -313,13 +311,10 @@ async def _send_generation(
                 break
             if not data:
                 continue
-            body.writing_since = trio.current_time()
             if body.done:  # the last frames ([DONE], or an error event): with the body's end
-                await send_together(send, [], data, (_body(b"", more=False),))
-                body.writing_since = None
+                await body.client_write(send_together(send, [], data, (_body(b"", more=False),)))
                 return
-            await write(data)
-            body.writing_since = None
+            await body.client_write(write(data))
     await send(_body(b"", more=False))
 
 

@@ -359,35 +359,30 @@ async def send_together(
     otherwise. Returns that writer, for the rest of the body (``None`` where the gateway does
     not frame the body itself: ``body_writer`` then sends through ASGI)."""
     server = _SERVING.get()
-    if server is None or not server.can_hold():
-        for message in messages:
-            await send(message)
-        direct = chunk_writer()
-        if first:
-            await body_writer(send, direct)(first)
-        for message in then:
-            await send(message)
-        return direct
-    await trio.lowlevel.checkpoint_if_cancelled()  # a cancelled task sends nothing, as before
-    server._held = b""
+    holder = server if server is not None and server.can_hold() else None
+    if holder is not None:
+        await trio.lowlevel.checkpoint_if_cancelled()  # a cancelled task sends nothing
+        holder._held = b""  # Hypercorn's bytes are held from here on (``protocol_send``)
     direct = None
     try:
         for message in messages:
-            await send(message)  # Hypercorn's bytes are held (``protocol_send``), no yield
+            await send(message)  # while held: no yield
         direct = chunk_writer()
         if first:
-            if direct is not None:
-                server._held += _frame(first)
-            else:  # Hypercorn frames it (HTTP/1.0): held as well
-                await send({"type": "http.response.body", "body": first, "more_body": True})
+            if holder is not None and direct is not None:
+                await holder.protocol_send(RawData(data=_frame(first)))  # held with the rest
+            else:  # as the rest of the body goes (held too if Hypercorn frames it: HTTP/1.0)
+                await body_writer(send, direct)(first)
         for message in then:
             await send(message)
     finally:
-        # Also when a send failed or the task was cancelled (the end of a whole answer makes
-        # Hypercorn tell the app's disconnect watcher, which cancels the response): Hypercorn
-        # and h11 count these bytes as sent, and Hypercorn's own writes are shielded.
-        await server.release_held()
-    if direct is not None:
+        if holder is not None:
+            # Also when a send failed or the task was cancelled (the end of a whole answer
+            # makes Hypercorn tell the app's disconnect watcher, which cancels the response):
+            # Hypercorn and h11 count these bytes as sent, and Hypercorn's own writes are
+            # shielded.
+            await holder.release_held()
+    if holder is not None and direct is not None:
         direct._mark = _yields(direct._task)  # that write was this piece's scheduling point
     return direct
 

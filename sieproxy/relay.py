@@ -42,9 +42,9 @@ import heapq
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import trio
 
@@ -70,6 +70,7 @@ __all__ = ["GenerationBody", "RequestStats", "Shaper", "WaitTimer", "sweep_stall
 log = logging.getLogger("sieproxy.relay")
 
 Event = tuple[int, CandidateDelta | CandidateFinish | GatewayError]
+_T = TypeVar("_T")
 #: Share of ``token_gap_timeout`` by which the gap limit may fire early (see ``_feed``).
 _GAP_SLACK = 0.02
 
@@ -287,7 +288,7 @@ class GenerationBody:
         self._nursery: trio.Nursery | None = None
         self._done = False
         self._held = k  # admission slots held on self.replica
-        self.writing_since: float | None = None  # set by the HTTP layer around each write
+        self.writing_since: float | None = None  # while a client write waits (``client_write``)
         self._deadline = math.inf
         self._handled_any = False  # an engine event reached the shaper (no retry after that)
         self._deferred: Event | None = None  # an error drained after frames; raised next
@@ -650,11 +651,15 @@ class GenerationBody:
         return self._causes[0] is None
 
     async def _flush(self, out: Outlet) -> None:
-        """Send what the pump's last write left, before anything else is written (a parked
-        write, as the stall watchdog sees it)."""
+        """Send what the pump's last write left, before anything else is written."""
+        await self.client_write(out.flush())
+
+    async def client_write(self, sending: Awaitable[_T]) -> _T:
+        """Await ``sending``, a write to the client, as a parked write: while it waits, the
+        stall sweeper sees since when (``writing_since``, ``check_stall``)."""
         self.writing_since = trio.current_time()
         try:
-            await out.flush()
+            return await sending
         finally:
             self.writing_since = None
 
@@ -859,7 +864,8 @@ class GenerationBody:
 
     @property
     def done(self) -> bool:
-        """Nothing more to send: ``prime()`` returned the whole answer."""
+        """Nothing more to send after what the body last returned: ``prime()``'s whole answer,
+        or a stream's last frames (``[DONE]``, or an error event and ``[DONE]``)."""
         return self._done
 
     def __aiter__(self) -> GenerationBody:

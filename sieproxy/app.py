@@ -24,9 +24,9 @@ and the gateway's own deadlines end streams with an SSE error event instead.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -216,24 +216,47 @@ async def _read_body(
         raise InvalidRequest(
             "The request body must be JSON: send `Content-Type: application/json`."
         )
-    parts: list[bytes] = []
-    size = 0
+    body = _Body(g_max)
+    # What is already queued needs no timer: on the gateway's own connections the whole body
+    # of a small request usually is (hypercorn_io.Receive.nowait).
+    nowait = getattr(receive, "nowait", None)
+    if nowait is not None:
+        while (msg := nowait()) is not None:
+            if body.take(msg):
+                return body.data()
     with trio.move_on_after(timeout) as scope:
-        while True:
-            msg = await receive()
-            if msg["type"] != "http.request":  # http.disconnect
-                raise _ClientGone
-            data = msg.get("body", b"")
-            if data:
-                size += len(data)
-                if size > g_max:
-                    raise _too_large(g_max)
-                parts.append(data)
-            if not msg.get("more_body", False):
-                break
+        while not body.take(await receive()):
+            pass
     if scope.cancelled_caught:
         raise InvalidRequest("The request body was not received in time.")
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+    return body.data()
+
+
+class _Body:
+    """A request body gathered from ASGI ``http.request`` messages, within ``limit`` bytes."""
+
+    __slots__ = ("_limit", "_parts", "_size")
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._parts: list[bytes] = []
+        self._size = 0
+
+    def take(self, msg: dict[str, Any]) -> bool:
+        """Add one message; True once the body is complete."""
+        if msg["type"] != "http.request":  # http.disconnect
+            raise _ClientGone
+        data = msg.get("body", b"")
+        if data:
+            self._size += len(data)
+            if self._size > self._limit:
+                raise _too_large(self._limit)
+            self._parts.append(data)
+        return not msg.get("more_body", False)
+
+    def data(self) -> bytes:
+        parts = self._parts
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 async def _start(
@@ -336,10 +359,12 @@ class GatewayApp(QuartTrio):
 
 
 def _request_id(given: str | None) -> str:
-    """The client's ``X-Request-Id`` if it is well formed, else a new one."""
+    """The client's ``X-Request-Id`` if it is well formed, else a new one: 32 random hex digits
+    (the shape of ``uuid4().hex`` without building a ``UUID``: a fifth of its cost, on the path
+    to a request's first token)."""
     if given and _REQUEST_ID_RE.match(given):
         return given
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()
 
 
 def _body_consumed(req: Request) -> bool:

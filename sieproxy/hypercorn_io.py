@@ -63,6 +63,25 @@ as the app sent it, and its first token in a second write right after; its last 
 the empty last chunk went out in two writes too: two system calls more per response, and two
 more wake-ups of the client. Hypercorn and h11 see every message as before.
 
+A streamed ``200``'s status line and headers are written by ``send_together`` itself on a
+kept-alive HTTP/1.1 connection answering a ``POST`` (``_head_bytes``): the bytes Hypercorn and
+h11 would write for the same message (Hypercorn's ``date`` and ``server`` after the app's
+headers, then h11's ``Transfer-Encoding: chunked``), with Hypercorn's stream and h11's state
+machine moved as their own send moves them (h11 is given the event, already checked, and frames
+the body as chunks from there). Hypercorn's path checked and copied the headers in four places
+(Hypercorn once, h11 three times) on the way to a request's first token. Any other response
+(another status, a length, a connection that must close, HTTP/1.0, a header h11 owns or would
+refuse) goes Hypercorn's way; tests/shell/test_hypercorn_io.py compares the bytes with h11's.
+
+``TaskGroup`` replaces the task group Hypercorn gives each connection, for the queue between the
+connection and the app's task: a request's first two ASGI messages (a body in one piece and its
+end) go in without a scheduler round trip, and the app's ``receive`` returns a queued message at
+once (``Receive``; ``Receive.nowait`` tells a reader what is queued without waiting). Hypercorn's
+queue yields on every message in and out: three scheduler passes on the way from a small
+request's bytes to the app reading its body. Later messages still yield, so an app that answers
+without reading a large upload runs before the queue fills (once it has answered, Hypercorn
+drops the rest; a full queue would block its ``http.disconnect`` for ever).
+
 ``watch_disconnect()`` is the other ASGI-side piece the gateway shares with the bench's
 ``hypercorn-relay`` floor (``bench/hyperrelay.py``): one task per request that drops what is
 left of the request and cancels the response when the client leaves.
@@ -71,13 +90,16 @@ The connection is found through a context variable set when it starts serving: H
 spawns the app's task from the connection's own task, and a Trio task inherits its spawner's
 context.
 
-``install()`` makes Hypercorn's Trio worker create these connections. It relies on attributes
-of Hypercorn's ``TCPServer`` (``stream``, ``send_lock``, ``protocol``, ``idle_task``,
-``_read_data``, ``_initiate_server_close``), of its HTTP/1.1 protocol
-(``connection``, ``stream``) and of h11's connection (``our_state``, ``_writer``), and on the
-module ``hypercorn.trio.run`` looking the class up when it serves; pyproject.toml bounds
-Hypercorn and h11 below their next minor versions, and tests/shell/test_hypercorn_io.py checks
-the behaviour on the installed ones.
+``install()`` makes Hypercorn's Trio worker create these connections and task groups. It relies
+on attributes of Hypercorn's ``TCPServer`` (``stream``, ``send_lock``, ``protocol``,
+``idle_task``, ``_read_data``, ``_initiate_server_close``), of its task group (``_nursery``,
+the module's ``_handle``), of its HTTP/1.1 protocol (``connection``, ``stream``, ``config``,
+``keep_alive_requests``), of its HTTP stream (``state``, ``response``, ``closed``) and of h11's
+connection (``our_state``, ``their_http_version``, ``_cstate``, ``_request_method``,
+``_process_event``, ``_writer``, the header patterns), and on the modules
+``hypercorn.trio.run`` and ``hypercorn.trio.tcp_server`` looking the classes up when they serve;
+pyproject.toml bounds Hypercorn and h11 below their next minor versions, and
+tests/shell/test_hypercorn_io.py checks the behaviour on the installed ones.
 """
 
 from __future__ import annotations
@@ -90,17 +112,24 @@ from typing import Any
 
 import h11
 import trio
+from h11._headers import _field_name_re as _FIELD_NAME
+from h11._headers import _field_value_re as _FIELD_VALUE
 from h11._writers import ChunkedWriter
 from hypercorn.events import Closed, Event, RawData
 from hypercorn.protocol.h11 import H11Protocol
-from hypercorn.protocol.http_stream import HTTPStream
+from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 from hypercorn.trio import run as hypercorn_run
+from hypercorn.trio import tcp_server as hypercorn_tcp_server
+from hypercorn.trio.task_group import TaskGroup as HypercornTaskGroup
+from hypercorn.trio.task_group import _handle as hypercorn_handle
 from hypercorn.trio.tcp_server import TCPServer as HypercornTCPServer
 
 __all__ = [
     "BodyWrite",
     "ChunkWriter",
+    "Receive",
     "TCPServer",
+    "TaskGroup",
     "body_writer",
     "chunk_writer",
     "install",
@@ -366,6 +395,11 @@ async def send_together(
     direct = None
     try:
         for message in messages:
+            if holder is not None and message is messages[0]:
+                head = _head_bytes(holder, message)
+                if head is not None:  # h11's state moved as its own send would have moved it
+                    holder._held = head  # the first of the held bytes
+                    continue
             await send(message)  # while held: no yield
         direct = chunk_writer()
         if first:
@@ -385,6 +419,53 @@ async def send_together(
     if holder is not None and direct is not None:
         direct._mark = _yields(direct._task)  # that write was this piece's scheduling point
     return direct
+
+
+#: Response headers the gateway's fast head leaves to h11 (framing and connection handling).
+_H11_OWNED = frozenset((b"content-length", b"transfer-encoding", b"connection"))
+
+
+def _head_bytes(server: TCPServer, message: dict[str, Any]) -> bytes | None:
+    """The status line and headers of a ``200`` response that h11 will frame as chunks, on a
+    kept-alive HTTP/1.1 connection answering a ``POST``: the bytes Hypercorn and h11 would
+    write for ``message`` (an ``http.response.start``), with both moved to the state their own
+    send leaves (see the module docstring). ``None`` where any of that does not hold: the
+    message then goes Hypercorn's way."""
+    if message.get("type") != "http.response.start" or message.get("status") != 200:
+        return None
+    proto = server.protocol.protocol
+    if type(proto) is not H11Protocol:
+        return None
+    stream, conn = proto.stream, proto.connection
+    if (
+        type(stream) is not HTTPStream
+        or stream.state is not ASGIHTTPState.REQUEST
+        or stream.closed
+        or type(conn) is not h11.Connection
+        or conn.our_state is not h11.SEND_RESPONSE
+        or conn.their_http_version != b"1.1"
+        or not conn._cstate.keep_alive
+        or conn._request_method != b"POST"
+        or proto.keep_alive_requests >= proto.config.keep_alive_max_requests
+    ):
+        return None
+    headers = message.get("headers", [])
+    for name, value in headers:
+        if type(name) is not bytes or type(value) is not bytes or name.lower() in _H11_OWNED:
+            return None
+    # Hypercorn adds its own headers (date, server), then h11 the chunked framing (its name in
+    # title case, as h11 writes the headers it sets).
+    full = [*headers, *proto.config.response_headers("h11"), (b"Transfer-Encoding", b"chunked")]
+    for name, value in full:  # what h11 checks of each header (it would raise instead)
+        if not _FIELD_NAME.fullmatch(name) or not _FIELD_VALUE.fullmatch(value):
+            return None
+    event = h11.Response(headers=full, status_code=200, _parsed=True)
+    conn._process_event(h11.SERVER, event)  # SEND_BODY, with h11's chunked writer
+    stream.response = message  # type: ignore[assignment]  # an http.response.start
+    stream.state = ASGIHTTPState.RESPONSE
+    return b"HTTP/1.1 200 \r\n" + b"".join(b"%b: %b\r\n" % nv for nv in full) + b"\r\n"
+
+
 
 
 def _frame(data: bytes) -> bytes:
@@ -446,7 +527,85 @@ async def watch_disconnect(receive: Callable[[], Awaitable[Any]], scope: trio.Ca
     scope.cancel()
 
 
+class TaskGroup(HypercornTaskGroup):
+    """A connection's task group (Hypercorn's) whose ASGI message queue hands a message over
+    without a scheduler round trip when it can (see the module docstring)."""
+
+    async def spawn_app(
+        self,
+        app: Any,
+        config: Any,
+        scope: Any,
+        send: Callable[[Any], Awaitable[None]],
+    ) -> Callable[[Any], Awaitable[None]]:
+        put, take = trio.open_memory_channel[Any](config.max_app_queue_size)
+        assert self._nursery is not None
+        self._nursery.start_soon(
+            hypercorn_handle,
+            app,
+            config,
+            scope,
+            Receive(take),
+            send,
+            trio.to_thread.run_sync,
+            trio.from_thread.run,
+        )
+        return _putter(put)
+
+
+#: How many of a request's first ASGI messages go into the app's queue without a scheduler
+#: round trip (a body in one piece and its end); later ones yield, as Hypercorn's do.
+_PUT_AT_ONCE = 2
+
+
+def _putter(channel: trio.MemorySendChannel[Any]) -> Callable[[Any], Awaitable[None]]:
+    """Hypercorn's ``app_put``. The first ``_PUT_AT_ONCE`` messages go into the queue without
+    yielding (it has room for ten): the app's task then starts with the whole of a small
+    request's body queued. Every later message yields as Hypercorn's does, so an app that
+    answers without reading a large upload (a 401) runs before the queue fills: once it has
+    answered, Hypercorn drops the rest, where a full queue would block its ``http.disconnect``
+    for ever."""
+    sent = 0
+
+    async def put(message: Any) -> None:
+        nonlocal sent
+        sent += 1
+        if sent > _PUT_AT_ONCE:
+            await channel.send(message)
+            return
+        try:
+            channel.send_nowait(message)
+        except trio.WouldBlock:
+            await channel.send(message)
+
+    return put
+
+
+class Receive:
+    """The app's ASGI ``receive`` on these connections: a message already queued is returned
+    at once, otherwise it waits, as Hypercorn's does. ``nowait()`` is the queued message, or
+    ``None`` (for a reader that needs a timer only when it must wait)."""
+
+    __slots__ = ("_channel",)
+
+    def __init__(self, channel: trio.MemoryReceiveChannel[Any]) -> None:
+        self._channel = channel
+
+    async def __call__(self) -> Any:
+        try:
+            return self._channel.receive_nowait()
+        except trio.WouldBlock:
+            return await self._channel.receive()
+
+    def nowait(self) -> Any:
+        try:
+            return self._channel.receive_nowait()
+        except trio.WouldBlock:
+            return None
+
+
 def install() -> None:
     """Serve every connection Hypercorn's Trio worker accepts in this process with
-    ``TCPServer`` (idempotent)."""
+    ``TCPServer`` and ``TaskGroup`` (idempotent)."""
     hypercorn_run.TCPServer = TCPServer  # type: ignore[attr-defined]
+    hypercorn_tcp_server.TaskGroup = TaskGroup  # type: ignore[attr-defined]

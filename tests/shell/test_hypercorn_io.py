@@ -868,3 +868,134 @@ async def test_send_together_writes_what_it_held_before_the_connection_closes() 
     await hypercorn_io.send_together(send, [{"type": "http.response.start"}])
     assert await _read_exactly(peer, 6) == b"answer"
     assert await peer.receive_some(10) == b""  # then the close
+
+
+async def test_a_streamed_head_is_the_bytes_hypercorn_and_h11_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a kept-alive HTTP/1.1 connection the gateway writes a streamed 200's status line and
+    headers itself (``_head_bytes``): byte for byte what Hypercorn and h11 write for the same
+    request and ASGI headers (h11 itself, server side, is the reference), h11 is left framing
+    the body as chunks, and the connection serves the next request."""
+    made: list[tuple[list[tuple[bytes, bytes]], bytes | None]] = []
+    real = hypercorn_io._head_bytes
+
+    def spy(server: TCPServer, message: dict[str, Any]) -> bytes | None:
+        got = real(server, message)
+        made.append((list(message["headers"]), got))
+        return got
+
+    monkeypatch.setattr(hypercorn_io, "_head_bytes", spy)
+    async with running_gateway() as gw:
+        writes = _Writes(monkeypatch)
+        sock, conn = await _kept_alive(gw)
+        request, data = _post("/v1/chat/completions", _chat(stream=True, max_tokens=3))
+        with trio.fail_after(20):
+            head, body = await exchange(sock, conn, request, data)
+            assert head.status_code == 200 and sse_events(body.decode())[-1] == "[DONE]"
+            (asgi_headers, fast), = made
+            assert fast is not None
+            first = next(w for w in writes.writes if w.startswith(b"HTTP/1.1 200"))
+            assert first.startswith(fast) and fast.endswith(b"\r\n\r\n")
+            # The reference: h11 answering the same request, given what Hypercorn adds.
+            added: dict[bytes, bytes] = {}
+            for line in fast.split(b"\r\n")[1:-2]:
+                name, _, value = line.partition(b": ")
+                if name in (b"date", b"server"):
+                    added[name] = value
+            assert set(added) == {b"date", b"server"}
+            client = h11.Connection(h11.CLIENT)
+            sent = [client.send(e) for e in (request, h11.Data(data=data), h11.EndOfMessage())]
+            ref = h11.Connection(h11.SERVER)
+            ref.receive_data(b"".join(x for x in sent if x))
+            while ref.next_event() is not h11.NEED_DATA:
+                pass
+            want = ref.send(h11.Response(status_code=200, headers=[*asgi_headers, *added.items()]))
+            assert fast == want, (fast, want)
+            # The next request on the connection: h11's state was left as its own send leaves it.
+            head, body = await exchange(sock, conn, *_post("/v1/chat/completions", _chat()))
+            assert head.status_code == 200 and json.loads(body)["object"] == "chat.completion"
+        await sock.aclose()
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"type": "http.response.start", "status": 404, "headers": []},
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]},
+        {"type": "http.response.start", "status": 200, "headers": [(b"Connection", b"close")]},
+        {"type": "http.response.start", "status": 200, "headers": [(b"x-bad", b"a\r\nb: c")]},
+        {"type": "http.response.start", "status": 200, "headers": [(b"bad name", b"v")]},
+        {"type": "http.response.body", "body": b""},
+    ],
+    ids=["status", "content-length", "connection", "bad-value", "bad-name", "not-a-start"],
+)
+def test_the_fast_head_leaves_everything_else_to_hypercorn(message: dict[str, Any]) -> None:
+    """Any other status, a header h11 owns (framing, connection), a header h11 would refuse
+    (it raises, on Hypercorn's path), or another message: no bytes, nothing changed."""
+    assert hypercorn_io._head_bytes(_served_h11(), message) is None
+
+
+def _served_h11(keep_alive: bool = True, version: bytes = b"1.1") -> TCPServer:
+    """A connection whose HTTP/1.1 protocol has just read a POST and must answer it."""
+    server = TCPServer(None, Config(), WorkerContext(None), {}, None)  # type: ignore[arg-type]
+    proto = H11Protocol.__new__(H11Protocol)
+    proto.config = server.config
+    proto.keep_alive_requests = 1
+    conn = proto.connection = h11.Connection(h11.SERVER)
+    extra = b"" if keep_alive else b"Connection: close\r\n"
+    conn.receive_data(
+        b"POST / HTTP/%s\r\nHost: g\r\n%sContent-Length: 0\r\n\r\n" % (version, extra)
+    )
+    while conn.next_event() is not h11.NEED_DATA:
+        pass
+    stream = HTTPStream.__new__(HTTPStream)
+    stream.closed = False
+    stream.state = hypercorn_io.ASGIHTTPState.REQUEST
+    proto.stream = stream
+    server.protocol = type("P", (), {"protocol": proto})()  # type: ignore[assignment]
+    return server
+
+
+@pytest.mark.parametrize("keep_alive,version", [(False, b"1.1"), (True, b"1.0")])
+def test_the_fast_head_is_only_for_kept_alive_http11(keep_alive: bool, version: bytes) -> None:
+    """A connection that must close after the response (``Connection: close``, HTTP/1.0: no
+    chunked framing) gets Hypercorn's and h11's head, which says so."""
+    start = {"type": "http.response.start", "status": 200, "headers": []}
+    assert hypercorn_io._head_bytes(_served_h11(keep_alive, version), start) is None
+    server = _served_h11()
+    head = hypercorn_io._head_bytes(server, start)
+    assert head is not None and head.startswith(b"HTTP/1.1 200 \r\n")
+    assert head.endswith(b"Transfer-Encoding: chunked\r\n\r\n")
+    conn = server.protocol.protocol.connection  # type: ignore[attr-defined]
+    assert conn.our_state is h11.SEND_BODY and type(conn._writer).__name__ == "ChunkedWriter"
+
+
+async def test_a_small_requests_body_is_queued_before_its_app_runs() -> None:
+    """The first two ASGI messages of a request (its body in one piece and the body's end) go
+    into the app's queue without a scheduler round trip, later ones yield as Hypercorn's do;
+    the app's ``receive`` returns a queued message at once and waits otherwise, and
+    ``nowait`` gives what is queued or ``None``."""
+    put_end, take_end = trio.open_memory_channel[Any](10)
+    put = hypercorn_io._putter(put_end)
+    receive = hypercorn_io.Receive(take_end)
+    with trio.testing.assert_no_checkpoints():
+        await put({"n": 1})
+        await put({"n": 2})
+    with trio.testing.assert_checkpoints():
+        await put({"n": 3})
+    with trio.testing.assert_no_checkpoints():
+        assert (await receive())["n"] == 1
+    assert receive.nowait() == {"n": 2}
+    assert receive.nowait() == {"n": 3}
+    assert receive.nowait() is None
+    async with trio.open_nursery() as nursery:
+        got: list[Any] = []
+
+        async def taker() -> None:
+            got.append(await receive())
+
+        nursery.start_soon(taker)
+        await trio.testing.wait_all_tasks_blocked()
+        await put({"n": 4})
+    assert got == [{"n": 4}]

@@ -194,17 +194,16 @@ class ModelPool:
 
     async def acquire(self, h: RouteHints, k: int, *, exclude: Replica | None = None) -> Replica:
         """Reserve ``k`` candidate slots on one replica (bounded wait), or raise 503."""
-        with trio.move_on_after(self._g.admission_wait):
-            while True:
-                r, any_live = self._choose(h, k, exclude)
-                if r is not None:
-                    r.inflight += k
-                    r.total += k
-                    return r
-                if not any_live:
-                    break
-                # every matching replica is full: wait until a slot is released
-                await self._room.wait()
+        r, any_live = self._choose(h, k, exclude)
+        if r is None and any_live:  # every matching replica is full: wait for a slot
+            with trio.move_on_after(self._g.admission_wait):  # (no timer when there is room)
+                while r is None and any_live:
+                    await self._room.wait()
+                    r, any_live = self._choose(h, k, exclude)
+        if r is not None:
+            r.inflight += k
+            r.total += k
+            return r
         now = trio.current_time()
         any_live = self.gate_open and any(r.available(now) for r in self.replicas if r.matches(h))
         if any_live:

@@ -361,11 +361,13 @@ class GenerationBody:
     # response task reading its single candidate itself (``_inline``). Both use the helpers
     # below for what happens at the edges: opening, turning bytes into events, errors,
     # aborting, and what the shaper must still see at the end.
-    def _open(self, i: int) -> Any:
-        """The ``/generate`` stream of candidate ``i`` (an async context manager)."""
-        return self._client.stream_generate(
-            self.replica.url, self._bodies[i], head_timeout=self._g.token_gap_timeout
-        )
+    def _open(self, i: int, until: float = math.inf) -> Any:
+        """The ``/generate`` stream of candidate ``i`` (an async context manager); its head
+        must arrive within the token gap, and by ``until`` (``trio.TooSlowError``)."""
+        head = self._g.token_gap_timeout
+        if until < math.inf:
+            head = max(min(head, until - trio.current_time()), 0.0)
+        return self._client.stream_generate(self.replica.url, self._bodies[i], head_timeout=head)
 
     def _gap_error(self, i: int) -> GatewayError:
         self._causes[i] = self._causes[i] or "timeout"
@@ -538,14 +540,13 @@ class GenerationBody:
             if il.cm is None:
                 il.reader = GenerateReader(incremental=self.replica.incremental)
                 il.decoder = SSEDecoder(self._g.max_sse_line_bytes)
-                cm = self._open(0)
+                # The request's deadline bounds the opening through the client's own scope
+                # (``until``): one cancel scope fewer on the way to the first token.
+                cm = self._open(0, until=self._deadline)
                 il.opened = True
-                with trio.move_on_at(self._deadline) as scope:
-                    il.resp = await cm.__aenter__()
-                    il.cm = cm
-                    il.last = trio.current_time()
-                if scope.cancelled_caught:
-                    return await self._inline_end(self._deadline_error(0))
+                il.resp = await cm.__aenter__()
+                il.cm = cm
+                il.last = trio.current_time()
             resp, reader, decoder = il.resp, il.reader, il.decoder
             assert resp is not None and reader is not None and decoder is not None
             timer = self._timer
@@ -611,7 +612,9 @@ class GenerationBody:
             if isinstance(e, EngineUnreachable | EngineHTTPError) and il.cm is None:
                 il.opened = False
             return await self._inline_end(e)
-        except trio.TooSlowError:
+        except trio.TooSlowError:  # no response head in time: by the deadline, or the gap
+            if trio.current_time() >= self._deadline:
+                return await self._inline_end(self._deadline_error(0))
             return await self._inline_end(self._gap_error(0))
 
     def ride(self) -> bool:

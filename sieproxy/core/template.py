@@ -180,11 +180,16 @@ _ENV = _make_env()
 @lru_cache(maxsize=64)
 def _compile(source: str) -> jinja2.Template:
     try:
-        return _ENV.from_string(source)
+        template = _ENV.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise InternalError(
             "The model's chat template is invalid; check its configuration."
         ) from exc
+    # Jinja copies a template's globals into every render's context; they are a ChainMap over
+    # the environment's, copied key by key in Python (a quarter of a short render). The
+    # environment's globals are set once, above, so a plain dict of them is the same mapping.
+    template.globals = dict(template.globals)
+    return template
 
 
 def check_template(source: str) -> None:

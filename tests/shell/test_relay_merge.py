@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import trio
 
-from sieproxy.core.errors import EngineTruncated
+from sieproxy.core.errors import EngineTimeout, EngineTruncated
 from sieproxy.core.events import CandidateDelta, CandidateFinish
 from sieproxy.core.merger import ChatStream
 from sieproxy.pool import ModelPool, RouteHints
@@ -304,3 +304,47 @@ async def test_inline_stalled_client_aborts_then_gets_an_error_event() -> None:
         tail = decode(await body.__anext__())
     assert tail[0]["error"]["code"] == "client_stalled" and tail[-1] == "[DONE]"
     assert client.aborts == ["x-0"] and body.stats.abort_causes == {"stall": 1}
+
+
+class _HeadNeverComes(_Client):
+    """An engine that takes the request and never sends its response head: the client raises
+    ``trio.TooSlowError`` once ``head_timeout`` has passed, as ``EngineClient`` does."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.head_timeouts: list[float] = []
+
+    @asynccontextmanager
+    async def stream_generate(
+        self, url: str, body: dict[str, Any], *, head_timeout: float
+    ) -> AsyncIterator[Any]:
+        self.head_timeouts.append(head_timeout)
+        await trio.sleep(head_timeout)
+        raise trio.TooSlowError
+        yield  # an async generator  # pragma: no cover
+
+
+@pytest.mark.parametrize(
+    "deadline,gap,cause",
+    [(5.0, 60.0, "deadline"), (60.0, 5.0, "timeout")],
+    ids=["the-deadline-first", "the-gap-first"],
+)
+async def test_an_inline_head_that_never_comes_ends_at_the_deadline_or_the_gap(
+    autojump_clock: Any, deadline: float, gap: float, cause: str
+) -> None:
+    """The response head's wait is bounded by the token gap and by the request's deadline,
+    whichever comes first, through the upstream client's own timeout (no cancel scope of the
+    relay's around it); the error names which one it was, and the rid is aborted."""
+    client = _HeadNeverComes()
+    body = make_body(1, client)
+    body._g.request_deadline = deadline
+    body._g.token_gap_timeout = gap
+    start = trio.current_time()
+    async with body:
+        with pytest.raises(EngineTimeout) as err:  # before any output: the response's status
+            await body.prime()
+    want = "exceeded its deadline" if cause == "deadline" else "no token within"
+    assert want in str(err.value)
+    assert client.head_timeouts == [pytest.approx(min(deadline, gap))]
+    assert trio.current_time() - start == pytest.approx(min(deadline, gap))
+    assert client.aborts == ["x-0"] and body.stats.abort_causes == {cause: 1}

@@ -82,6 +82,14 @@ request's bytes to the app reading its body. Later messages still yield, so an a
 without reading a large upload runs before the queue fills (once it has answered, Hypercorn
 drops the rest; a full queue would block its ``http.disconnect`` for ever).
 
+The connection's read loop on plain TCP (no read timeout is configured: ``sieproxy.serve``)
+reads the descriptor directly (``_read_plain``), as the upstream client does: Hypercorn's read
+went through a cancel scope and trio's stream and socket layers on every read, twice on the way
+to a request's first token (its bytes, and the wait for the next ones that the app's task runs
+behind). It yields as trio's reads do (not after a read that waited, once after one that did
+not) and ends where Hypercorn's ends (the client's end of stream, a reset, the connection
+closed here).
+
 ``watch_disconnect()`` is the other ASGI-side piece the gateway shares with the bench's
 ``hypercorn-relay`` floor (``bench/hyperrelay.py``): one task per request that drops what is
 left of the request and cancels the response when the client leaves.
@@ -158,11 +166,44 @@ class TCPServer(HypercornTCPServer):
 
     async def _read_data(self) -> None:
         try:
-            await super()._read_data()
+            stream: trio.abc.Stream = self.stream  # typed SSLStream by Hypercorn
+            if type(stream) is trio.SocketStream and not self.config.read_timeout:
+                await self._read_plain(stream.socket)
+            else:
+                await super()._read_data()
         finally:
             # Nothing more can arrive: no next request to wait for. The connection ends when
             # its last response does (Hypercorn then closes it), not after the idle timeout.
             self._keep_alive.end()
+
+    async def _read_plain(self, sock: trio.socket.SocketType) -> None:
+        """Hypercorn's read loop on plain TCP with no read timeout, reading the descriptor
+        directly: a read that had to wait for readiness does not yield again, one that found
+        bytes at once does (as trio's stream reads behave), without trio's stream layers and
+        a cancel scope per read (see the module docstring). A reset or a socket closed here
+        ends the loop, as Hypercorn's ends on a broken or closed stream."""
+        waited = False
+        while True:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            try:
+                # fileno() is -1 once closed (never a reused descriptor): that raises EBADF.
+                data = os.read(sock.fileno(), hypercorn_tcp_server.MAX_RECV)
+            except BlockingIOError:
+                try:
+                    await trio.lowlevel.wait_readable(sock)
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    break  # closed by the connection's own close while waiting
+                waited = True
+                continue
+            except OSError:
+                break
+            if not waited:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            waited = False
+            await self.protocol.handle(RawData(data=data))
+            if not data:
+                break
+        await self.protocol.handle(Closed())
 
     async def protocol_send(self, event: Event) -> None:
         if type(event) is RawData:

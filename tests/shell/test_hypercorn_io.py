@@ -999,3 +999,67 @@ async def test_a_small_requests_body_is_queued_before_its_app_runs() -> None:
         await trio.testing.wait_all_tasks_blocked()
         await put({"n": 4})
     assert got == [{"n": 4}]
+
+
+async def test_the_plain_read_loop_hands_over_every_read_then_closed() -> None:
+    """``_read_plain``: each read's bytes go to the protocol in order, the client's end of
+    stream as an empty read then ``Closed``, as Hypercorn's loop hands them over."""
+    mine, peer = _pair()
+    server, proto = _server(mine)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server._read_plain, mine.socket)
+        await peer.send_all(b"first")
+        await trio.testing.wait_all_tasks_blocked()
+        await peer.send_all(b"second")
+        await trio.testing.wait_all_tasks_blocked()
+        await peer.aclose()
+    data = [e.data for e in proto.events if type(e) is RawData]
+    assert b"".join(data) == b"firstsecond" and data[-1] == b""
+    assert type(proto.events[-1]) is Closed
+
+
+async def test_the_plain_read_loop_ends_when_the_connection_is_closed_here() -> None:
+    """The connection closed by its own side while the loop waits (Hypercorn's close after a
+    response), or a reset: the loop ends with ``Closed``, nothing raised."""
+    mine, peer = _pair()
+    server, proto = _server(mine)
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server._read_plain, mine.socket)
+            await trio.testing.wait_all_tasks_blocked()
+            await mine.aclose()
+    assert [type(e) for e in proto.events] == [Closed]
+    await peer.aclose()
+
+
+async def test_the_plain_read_loop_yields_only_after_a_read_that_did_not_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Bytes already there: the read yields once before handing them over (a busy client
+    cannot starve the others); bytes it waited for: no second yield."""
+    mine, peer = _pair()
+    server, proto = _server(mine)
+    steps: list[str] = []
+    real = trio.lowlevel.cancel_shielded_checkpoint
+
+    async def counted() -> None:
+        if "_read_plain" in trio.lowlevel.current_task().name:  # the loop's own yields
+            steps.append("yield")
+        await real()
+
+    async def handle(event: Event) -> None:
+        steps.append("handle")
+        proto.events.append(event)
+
+    monkeypatch.setattr(trio.lowlevel, "cancel_shielded_checkpoint", counted)
+    proto.handle = handle  # type: ignore[method-assign]
+    await peer.send_all(b"ready")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server._read_plain, mine.socket)
+        await trio.testing.wait_all_tasks_blocked()
+        assert steps == ["yield", "handle"]  # the bytes were there at the first read
+        steps.clear()
+        await peer.send_all(b"later")
+        await trio.testing.wait_all_tasks_blocked()
+        assert steps == ["handle"]  # it waited for these
+        await peer.aclose()

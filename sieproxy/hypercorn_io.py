@@ -507,8 +507,6 @@ def _head_bytes(server: TCPServer, message: dict[str, Any]) -> bytes | None:
     return b"HTTP/1.1 200 \r\n" + b"".join(b"%b: %b\r\n" % nv for nv in full) + b"\r\n"
 
 
-
-
 def _frame(data: bytes) -> bytes:
     """``data`` as one chunk of a chunked body, byte for byte as h11 frames it."""
     return b"%x\r\n%b\r\n" % (len(data), data)
@@ -601,11 +599,11 @@ _PUT_AT_ONCE = 2
 
 def _putter(channel: trio.MemorySendChannel[Any]) -> Callable[[Any], Awaitable[None]]:
     """Hypercorn's ``app_put``. The first ``_PUT_AT_ONCE`` messages go into the queue without
-    yielding (it has room for ten): the app's task then starts with the whole of a small
-    request's body queued. Every later message yields as Hypercorn's does, so an app that
-    answers without reading a large upload (a 401) runs before the queue fills: once it has
-    answered, Hypercorn drops the rest, where a full queue would block its ``http.disconnect``
-    for ever."""
+    yielding where it has room (Hypercorn's ``max_app_queue_size``, ten by default): the
+    app's task then starts with the whole of a small request's body queued. Every later
+    message yields as Hypercorn's does, so an app that answers without reading a large upload
+    (a 401) runs before the queue fills: once it has answered, Hypercorn drops the rest, where
+    a full queue would block its ``http.disconnect`` for ever."""
     sent = 0
 
     async def put(message: Any) -> None:

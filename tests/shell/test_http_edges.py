@@ -656,6 +656,36 @@ async def test_a_client_gone_before_its_body_arrived_gets_nothing_and_costs_noth
         assert "unhandled error" not in caplog.text
 
 
+async def test_a_body_that_arrives_in_pieces_is_read_whole() -> None:
+    """The part of a body already queued is taken without a timer; the rest is waited for
+    under the body timeout, and the request is answered as if it had arrived at once."""
+    body = json.dumps(CHAT_BODY).encode()
+    async with running_gateway() as gw:
+        host, port = host_port(gw)
+        with trio.fail_after(20):
+            stream = await trio.open_tcp_stream(host, int(port))
+            await stream.send_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(body), body[:10])
+            )
+            await trio.sleep(0.2)  # the gateway has read the first piece by now
+            await stream.send_all(body[10:])
+            conn = h11.Connection(h11.CLIENT)
+            conn.send(h11.Request(method="POST", target=CHAT, headers=[("Host", "x")]))
+            got: list[Any] = []
+            while not got or type(got[-1]) is not h11.EndOfMessage:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    conn.receive_data(await stream.receive_some(65536))
+                else:
+                    got.append(event)
+            await stream.aclose()
+        assert got[0].status_code == 200
+        answer = json.loads(b"".join(e.data for e in got if type(e) is h11.Data))
+        assert answer["object"] == "chat.completion"
+
+
 async def test_a_refused_upload_leaves_no_connection_task_behind() -> None:
     """A 401 answered without reading an upload larger than Hypercorn's ASGI queue (the
     generation path reads no body before auth): the client gets the answer, and the

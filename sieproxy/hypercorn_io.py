@@ -132,6 +132,8 @@ from hypercorn.trio.task_group import TaskGroup as HypercornTaskGroup
 from hypercorn.trio.task_group import _handle as hypercorn_handle
 from hypercorn.trio.tcp_server import TCPServer as HypercornTCPServer
 
+from .channels import put, take
+
 __all__ = [
     "BodyWrite",
     "ChunkWriter",
@@ -435,12 +437,12 @@ async def send_together(
         holder._held = b""  # Hypercorn's bytes are held from here on (``protocol_send``)
     direct = None
     try:
+        if holder is not None and messages:
+            head = _head_bytes(holder, messages[0])
+            if head is not None:  # h11's state moved as its own send would have moved it
+                holder._held = head  # the first of the held bytes
+                messages = messages[1:]
         for message in messages:
-            if holder is not None and message is messages[0]:
-                head = _head_bytes(holder, message)
-                if head is not None:  # h11's state moved as its own send would have moved it
-                    holder._held = head  # the first of the held bytes
-                    continue
             await send(message)  # while held: no yield
         direct = chunk_writer()
         if first:
@@ -606,18 +608,15 @@ def _putter(channel: trio.MemorySendChannel[Any]) -> Callable[[Any], Awaitable[N
     a full queue would block its ``http.disconnect`` for ever."""
     sent = 0
 
-    async def put(message: Any) -> None:
+    async def app_put(message: Any) -> None:
         nonlocal sent
         sent += 1
         if sent > _PUT_AT_ONCE:
             await channel.send(message)
-            return
-        try:
-            channel.send_nowait(message)
-        except trio.WouldBlock:
-            await channel.send(message)
+        else:
+            await put(channel, message)
 
-    return put
+    return app_put
 
 
 class Receive:
@@ -631,10 +630,7 @@ class Receive:
         self._channel = channel
 
     async def __call__(self) -> Any:
-        try:
-            return self._channel.receive_nowait()
-        except trio.WouldBlock:
-            return await self._channel.receive()
+        return await take(self._channel)
 
     def nowait(self) -> Any:
         try:

@@ -48,6 +48,7 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
+from .channels import put, take
 from .core.errors import (
     ClientStalled,
     EngineHTTPError,
@@ -109,25 +110,6 @@ class RequestStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     sdk_version: str | None = None
-
-
-async def _put(send: trio.MemorySendChannel[Event], ev: Event) -> None:
-    """``send.send(ev)`` without its scheduling round trip when the buffer has room: the
-    candidate's next upstream read is a checkpoint anyway (one fewer task switch per chunk)."""
-    try:
-        send.send_nowait(ev)
-    except trio.WouldBlock:
-        await send.send(ev)
-
-
-async def _take(recv: trio.MemoryReceiveChannel[Event]) -> Event:
-    """``recv.receive()`` without its scheduling round trip when an event is already buffered
-    (the response's next write then yields: ``hypercorn_io``); raises ``EndOfChannel`` at the
-    end."""
-    try:
-        return recv.receive_nowait()
-    except trio.WouldBlock:
-        return await recv.receive()
 
 
 async def sweep_stalls(active: set[GenerationBody], limit: float) -> None:
@@ -432,7 +414,7 @@ class GenerationBody:
         if cause in ("stop", "best_of"):
             # The gateway ended this candidate; the shaper still needs its finish, unless the
             # engine's own finish was already read (a cancel can land after it was parsed:
-            # ``_put`` does not checkpoint).
+            # ``put`` does not checkpoint).
             return None if self._terminal[i] else reader.local_finish()
         if cause == "stall":
             # The writer of this response was parked when the candidate was aborted: should the
@@ -512,7 +494,7 @@ class GenerationBody:
                 continue  # past [DONE]: read the body to its end so the connection is reused
             events, err = self._events(i, raw, decoder, reader)
             for ev in events:
-                await _put(send, ev)
+                await put(send, ev)  # the next upstream read is the checkpoint
             if err is not None:
                 raise err
         _end_of_body(decoder, reader)
@@ -777,7 +759,7 @@ class GenerationBody:
             return out
         assert self._recv is not None
         try:
-            first = await _take(self._recv)
+            first = await take(self._recv)  # the response's next write yields
         except trio.EndOfChannel:
             return None
         return self._merge(self._buffered(first))

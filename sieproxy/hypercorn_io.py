@@ -579,19 +579,19 @@ class TaskGroup(HypercornTaskGroup):
         scope: Any,
         send: Callable[[Any], Awaitable[None]],
     ) -> Callable[[Any], Awaitable[None]]:
-        put, take = trio.open_memory_channel[Any](config.max_app_queue_size)
+        to_app, from_server = trio.open_memory_channel[Any](config.max_app_queue_size)
         assert self._nursery is not None
         self._nursery.start_soon(
             hypercorn_handle,
             app,
             config,
             scope,
-            Receive(take),
+            Receive(from_server),
             send,
             trio.to_thread.run_sync,
             trio.from_thread.run,
         )
-        return _putter(put)
+        return _putter(to_app)
 
 
 #: How many of a request's first ASGI messages go into the app's queue without a scheduler

@@ -595,9 +595,8 @@ class GenerationBody:
                 il.opened = False
             return await self._inline_end(e)
         except trio.TooSlowError:  # no response head in time: by the deadline, or the gap
-            if trio.current_time() >= self._deadline:
-                return await self._inline_end(self._deadline_error(0))
-            return await self._inline_end(self._gap_error(0))
+            assert il.reader is not None  # made before the opening
+            return await self._inline_end(self._expired(0, il.reader))
 
     def ride(self) -> bool:
         """The relay pump's step for the inline reader (``sieproxy.pump``), run by the pump's

@@ -52,7 +52,7 @@ from .core.errors import (
 from .core.pipeline import build_chat, build_completion
 from .core.profile import ModelProfile
 from .engine_client import EngineClient
-from .hypercorn_io import body_writer, send_together, watch_disconnect
+from .hypercorn_io import body_writer, prepare_head, send_together, watch_disconnect
 from .observe import Observer
 from .pool import ModelPool, RouteHints
 from .pump import Pump
@@ -309,7 +309,12 @@ async def _send_generation(
     send: Any, headers: list[tuple[bytes, bytes]], body: GenerationBody
 ) -> None:
     async with body:
+        start = {"type": "http.response.start", "status": 200, "headers": headers}
         try:
+            # The engine request goes out first; the response head is made while the engine
+            # works on it (it is sent only if the engine answers).
+            await body.open()
+            prepared = prepare_head(start) if body.streaming else None
             head = await body.prime()
         except Exception as exc:
             err = body.stats.error = _as_error(exc, body.stats.request_id)
@@ -317,11 +322,12 @@ async def _send_generation(
             return
         # The head and the first frames go out in one socket write; the whole answer (not
         # streamed, or a stream that ended at once) with the body's end too.
-        messages = [{"type": "http.response.start", "status": 200, "headers": headers}]
+        messages = [start]
         if body.done:
             messages.append(_body(head, more=False))
             head = b""
-        direct = await body.client_write(send_together(send, messages, head))
+        sending = send_together(send, messages, head, prepared=prepared)
+        direct = await body.client_write(sending)
         if body.done:
             return
         write = body_writer(send, direct)

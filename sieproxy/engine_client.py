@@ -28,7 +28,7 @@ import os
 import select
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -217,6 +217,94 @@ class UpstreamResponse:
         return b"".join(parts)
 
 
+class Exchange:
+    """One request to the engine on a pooled connection, as an async context manager that
+    yields the response once its head arrived (``EngineClient._post``).
+
+    ``send()`` checks a connection out and writes the request; entering the context sends it
+    if that has not happened yet, then waits for the response head. Splitting the two lets a
+    caller do its own work while the engine works on the request
+    (``relay.GenerationBody.open``). Both end at the exchange's deadline; a request the engine
+    does not take within ``connect_timeout`` is ``EngineUnreachable``. Leaving the context puts
+    the connection back in the pool if the response was read to its end, and closes it
+    otherwise, also after a ``send()`` whose response was never awaited. A ``send()`` or an
+    entry that fails lets the connection go itself.
+    """
+
+    __slots__ = ("_client", "_conn", "_data", "_deadline", "_ok_only", "_origin", "_resp", "_sent")
+
+    def __init__(
+        self, client: EngineClient, origin: _Origin, data: bytes, deadline: float, ok_only: bool
+    ) -> None:
+        self._client, self._origin, self._data = client, origin, data
+        self._deadline, self._ok_only = deadline, ok_only
+        self._conn: _Conn | None = None
+        self._resp: UpstreamResponse | None = None
+        self._sent = False
+
+    async def send(self) -> None:
+        """Check out a connection and write the request."""
+        assert self._conn is None and not self._sent
+        client, deadline = self._client, self._deadline
+        try:
+            with trio.CancelScope(deadline=deadline) as scope:
+                c = self._conn = await client._checkout(self._origin)
+                scope.deadline = min(deadline, trio.current_time() + client._g.connect_timeout)
+                try:
+                    await c.send_all(self._data)
+                except _BROKEN as exc:
+                    msg = "The connection to the engine broke before the response."
+                    raise _truncated(exc, msg) from exc
+                self._sent = True
+            if not self._sent:  # this scope's deadline fired
+                if scope.deadline < deadline:
+                    raise EngineUnreachable("The engine did not take the request in time.")
+                raise trio.TooSlowError
+        except BaseException:
+            self._release()
+            raise
+
+    async def __aenter__(self) -> UpstreamResponse:
+        if not self._sent:
+            await self.send()
+        c = self._conn
+        assert c is not None
+        try:
+            with trio.CancelScope(deadline=self._deadline):
+                try:
+                    parser = ResponseParser()
+                    rest = b""
+                    while parser.status is None:
+                        got = await c.receive()
+                        if not got:
+                            parser.eof()
+                        rest = parser.feed(got)
+                except (FramingError, *_BROKEN) as exc:
+                    msg = "The connection to the engine broke before the response."
+                    raise _truncated(exc, msg) from exc
+                self._resp = UpstreamResponse(c, parser, rest)
+            resp = self._resp
+            if resp is None:  # the deadline fired
+                raise trio.TooSlowError
+            if self._ok_only and resp.status != 200:
+                with contextlib.suppress(GatewayError):
+                    await resp.read_all(_DRAIN_LIMIT)
+                raise _status_error(resp.status)
+        except BaseException:
+            self._release()
+            raise
+        return resp
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        c, self._conn = self._conn, None
+        if c is not None:
+            resp = self._resp
+            self._client._checkin(self._origin, c, resp is not None and resp.reusable)
+
+
 class EngineClient:
     """Connections to every engine replica (see the module docstring)."""
 
@@ -342,67 +430,33 @@ class EngineClient:
         else:
             c.close()
 
-    @contextlib.asynccontextmanager
-    async def _post(
+    def _post(
         self,
         base: str,
         path: str,
         payload: dict[str, Any],
         head_timeout: float = math.inf,
         ok_only: bool = False,
-    ) -> AsyncIterator[UpstreamResponse]:
-        """POST JSON and yield the response once its head arrived (within ``head_timeout``,
-        else ``trio.TooSlowError``); with ``ok_only`` a non-200 is drained and raised as
-        ``EngineHTTPError`` instead. The connection goes back to the pool only if the response
-        was read to its end."""
+    ) -> Exchange:
+        """POST JSON: an async context manager that yields the response once its head arrived
+        (within ``head_timeout``, else ``trio.TooSlowError``); with ``ok_only`` a non-200 is
+        drained and raised as ``EngineHTTPError`` instead. The connection goes back to the pool
+        only if the response was read to its end. ``Exchange.send`` writes the request before
+        the context is entered (see there)."""
         o = self._origin(base)
         body = _encode(payload)
         data = request_head("POST", o.prefix + path, o.authority, len(body)) + body
-        deadline = trio.current_time() + head_timeout  # checkout, request and head together
-        c: _Conn | None = None
-        resp: UpstreamResponse | None = None
-        # One cancel scope for the three stages (each costs a deadline-heap update): the
-        # checkout and the head wait end at ``deadline``; sending the request also ends within
-        # ``connect_timeout`` of its start (an engine that does not read its socket), so the
-        # scope's deadline is below ``deadline`` exactly while the request is being written.
-        try:
-            with trio.CancelScope(deadline=deadline) as scope:
-                c = await self._checkout(o)
-                scope.deadline = min(deadline, trio.current_time() + self._g.connect_timeout)
-                try:
-                    await c.send_all(data)
-                    scope.deadline = deadline
-                    parser = ResponseParser()
-                    rest = b""
-                    while parser.status is None:
-                        got = await c.receive()
-                        if not got:
-                            parser.eof()
-                        rest = parser.feed(got)
-                except (FramingError, *_BROKEN) as exc:
-                    msg = "The connection to the engine broke before the response."
-                    raise _truncated(exc, msg) from exc
-                resp = UpstreamResponse(c, parser, rest)
-            if resp is None:  # this scope's deadline fired
-                if scope.deadline < deadline:
-                    raise EngineUnreachable("The engine did not take the request in time.")
-                raise trio.TooSlowError
-            if ok_only and resp.status != 200:
-                with contextlib.suppress(GatewayError):
-                    await resp.read_all(_DRAIN_LIMIT)
-                raise _status_error(resp.status)
-            yield resp
-        finally:
-            if c is not None:
-                self._checkin(o, c, resp is not None and resp.reusable)
+        # The checkout, the request and the head together end at this deadline.
+        return Exchange(self, o, data, trio.current_time() + head_timeout, ok_only)
 
     # ------------------------------------------------------------------ generation path
     def stream_generate(
         self, base: str, body: dict[str, Any], *, head_timeout: float | None = None
-    ) -> contextlib.AbstractAsyncContextManager[UpstreamResponse]:
+    ) -> Exchange:
         """POST ``/generate`` with ``stream: true``; yields the response of a 200 (raw body
         bytes from ``receive()``). A non-200 raises ``EngineHTTPError`` (its text is not
-        echoed); ``head_timeout`` bounds the wait for the response head (``trio.TooSlowError``)."""
+        echoed); ``head_timeout`` bounds the wait for the response head (``trio.TooSlowError``).
+        ``send()`` on the returned exchange writes the request before the wait for the head."""
         timeout = head_timeout if head_timeout is not None else math.inf
         return self._post(base, "/generate", body, timeout, ok_only=True)
 

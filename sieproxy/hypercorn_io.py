@@ -114,6 +114,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any
@@ -422,14 +423,16 @@ async def send_together(
     messages: list[dict[str, Any]],
     first: bytes = b"",
     then: tuple[dict[str, Any], ...] = (),
+    prepared: Head | None = None,
 ) -> ChunkWriter | None:
     """Send the ASGI ``messages`` (an ``http.response.start``, and maybe body messages), then
     ``first``, a streamed piece of the body, then the messages ``then`` (the body's end), as
     one socket write where the connection is one of ours, HTTP/1.1 on plain TCP (the module
     docstring); elsewhere, each as it would go alone. ``first`` is framed the way the rest of
     the body is: by the gateway where ``chunk_writer()`` gives a writer, through ASGI
-    otherwise. Returns that writer, for the rest of the body (``None`` where the gateway does
-    not frame the body itself: ``body_writer`` then sends through ASGI)."""
+    otherwise. ``prepared``: the head of ``messages[0]``, made ahead (``prepare_head``).
+    Returns that writer, for the rest of the body (``None`` where the gateway does not frame
+    the body itself: ``body_writer`` then sends through ASGI)."""
     server = _SERVING.get()
     holder = server if server is not None and server.can_hold() else None
     if holder is not None:
@@ -438,7 +441,7 @@ async def send_together(
     direct = None
     try:
         if holder is not None and messages:
-            head = _head_bytes(holder, messages[0])
+            head = _head_bytes(holder, messages[0], prepared)
             if head is not None:  # h11's state moved as its own send would have moved it
                 holder._held = head  # the first of the held bytes
                 messages = messages[1:]
@@ -468,12 +471,59 @@ async def send_together(
 _H11_OWNED = frozenset((b"content-length", b"transfer-encoding", b"connection"))
 
 
-def _head_bytes(server: TCPServer, message: dict[str, Any]) -> bytes | None:
+class Head:
+    """A streamed ``200``'s status line and headers, checked and written out ahead of sending
+    (``prepare_head``): the part of ``_head_bytes`` that does not depend on the connection's
+    state."""
+
+    __slots__ = ("data", "event", "message", "second")
+
+    def __init__(self, message: dict[str, Any], event: h11.Response, data: bytes, second: int):
+        self.message, self.event, self.data = message, event, data
+        self.second = second  # of Hypercorn's ``date`` header in it
+
+
+def prepare_head(message: dict[str, Any]) -> Head | None:
+    """The head ``send_together`` would write for ``message`` (an ``http.response.start``) on
+    this task's connection, made now, to be sent later (``send_together(prepared=...)``): a
+    caller that has to wait anyway (for the engine) moves this work out of the way of its
+    first bytes. ``None`` where ``send_together`` would not write the head itself. The date in
+    it is Hypercorn's, of the second it is sent in (a head kept past that second is made
+    again)."""
+    server = _SERVING.get()
+    if server is None or type(server.protocol.protocol) is not H11Protocol:
+        return None
+    return _make_head(server.protocol.protocol, message)
+
+
+def _make_head(proto: H11Protocol, message: dict[str, Any]) -> Head | None:
+    if message.get("type") != "http.response.start" or message.get("status") != 200:
+        return None
+    headers = message.get("headers", [])
+    for name, value in headers:
+        if type(name) is not bytes or type(value) is not bytes or name.lower() in _H11_OWNED:
+            return None
+    # Hypercorn adds its own headers (date, server), then h11 the chunked framing (its name in
+    # title case, as h11 writes the headers it sets).
+    second = int(time.time())  # Hypercorn's date: of this second (``format_date_time``)
+    full = [*headers, *proto.config.response_headers("h11"), (b"Transfer-Encoding", b"chunked")]
+    for name, value in full:  # what h11 checks of each header (it would raise instead)
+        if not _FIELD_NAME.fullmatch(name) or not _FIELD_VALUE.fullmatch(value):
+            return None
+    event = h11.Response(headers=full, status_code=200, _parsed=True)
+    data = b"HTTP/1.1 200 \r\n" + b"".join(b"%b: %b\r\n" % nv for nv in full) + b"\r\n"
+    return Head(message, event, data, second)
+
+
+def _head_bytes(
+    server: TCPServer, message: dict[str, Any], prepared: Head | None = None
+) -> bytes | None:
     """The status line and headers of a ``200`` response that h11 will frame as chunks, on a
     kept-alive HTTP/1.1 connection answering a ``POST``: the bytes Hypercorn and h11 would
     write for ``message`` (an ``http.response.start``), with both moved to the state their own
-    send leaves (see the module docstring). ``None`` where any of that does not hold: the
-    message then goes Hypercorn's way."""
+    send leaves (see the module docstring). ``prepared`` is those bytes made earlier for the
+    same message (``prepare_head``), used if their date is still this second's. ``None`` where
+    any of that does not hold: the message then goes Hypercorn's way."""
     if message.get("type") != "http.response.start" or message.get("status") != 200:
         return None
     proto = server.protocol.protocol
@@ -492,21 +542,15 @@ def _head_bytes(server: TCPServer, message: dict[str, Any]) -> bytes | None:
         or proto.keep_alive_requests >= proto.config.keep_alive_max_requests
     ):
         return None
-    headers = message.get("headers", [])
-    for name, value in headers:
-        if type(name) is not bytes or type(value) is not bytes or name.lower() in _H11_OWNED:
+    head = prepared
+    if head is None or head.message is not message or head.second != int(time.time()):
+        head = _make_head(proto, message)
+        if head is None:
             return None
-    # Hypercorn adds its own headers (date, server), then h11 the chunked framing (its name in
-    # title case, as h11 writes the headers it sets).
-    full = [*headers, *proto.config.response_headers("h11"), (b"Transfer-Encoding", b"chunked")]
-    for name, value in full:  # what h11 checks of each header (it would raise instead)
-        if not _FIELD_NAME.fullmatch(name) or not _FIELD_VALUE.fullmatch(value):
-            return None
-    event = h11.Response(headers=full, status_code=200, _parsed=True)
-    conn._process_event(h11.SERVER, event)  # SEND_BODY, with h11's chunked writer
+    conn._process_event(h11.SERVER, head.event)  # SEND_BODY, with h11's chunked writer
     stream.response = message  # type: ignore[assignment]  # an http.response.start
     stream.state = ASGIHTTPState.RESPONSE
-    return b"HTTP/1.1 200 \r\n" + b"".join(b"%b: %b\r\n" % nv for nv in full) + b"\r\n"
+    return head.data
 
 
 def _frame(data: bytes) -> bytes:

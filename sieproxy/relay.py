@@ -28,6 +28,9 @@ its single candidate itself between two client writes (``_inline_next``), throug
 edge helpers as the candidate tasks; a stalled write there is handled by the sweeper closing the
 upstream connection and sending the abort (``abort_stalled``), and its waits for the engine are
 bounded by the process's :class:`WaitTimer` (gap and deadline) instead of a cancel scope each.
+The HTTP layer may call :meth:`open` before ``prime``: the single candidate's request is then
+sent at once, and what the HTTP layer does before ``prime`` (the response head's bytes)
+overlaps the engine's work on it.
 
 Every candidate that ends without a terminal event from its engine (client gone, deadline,
 stop string matched by the gateway, best_of loser, error, stall) sends exactly one
@@ -135,7 +138,8 @@ def _end_of_body(decoder: SSEDecoder, reader: GenerateReader) -> None:
 class _Inline:
     """The read state of an inline candidate (``n`` = 1, see ``GenerationBody._inline_next``)."""
 
-    cm: Any = None  # the entered ``stream_generate`` context manager
+    cm: Any = None  # the ``stream_generate`` exchange (entered once ``resp`` is set)
+    failed: Exception | None = None  # why ``GenerationBody.open`` could not send the request
     resp: UpstreamResponse | None = None
     reader: GenerateReader | None = None
     decoder: SSEDecoder | None = None
@@ -500,6 +504,34 @@ class GenerationBody:
         _end_of_body(decoder, reader)
 
     # ------------------------------------------------------------------ n = 1, inline
+    async def open(self) -> None:
+        """Send the engine request now (``n`` = 1, inline): what the caller does before
+        ``prime()`` then overlaps the engine's work on it (the response head's bytes,
+        ``sieproxy.app``). ``prime()`` waits for the response. A failure to send is kept for
+        ``prime()``, which handles it as it would its own (a retry on another replica). Does
+        nothing for ``n`` > 1: the candidates' tasks send their requests as they start."""
+        il = self._il
+        if il is None or il.cm is not None or il.ended or self._causes[0] is not None:
+            return
+        cm = self._inline_exchange()
+        try:
+            await cm.send()
+        except (GatewayError, trio.TooSlowError) as exc:
+            il.failed = exc
+
+    def _inline_exchange(self) -> Any:
+        """The inline candidate's exchange with the engine (``il.cm``, not sent yet), and its
+        reader and decoder."""
+        il = self._il
+        assert il is not None
+        il.reader = GenerateReader(incremental=self.replica.incremental)
+        il.decoder = SSEDecoder(self._g.max_sse_line_bytes)
+        # The request's deadline bounds the opening through the client's own scope
+        # (``until``): one cancel scope fewer on the way to the first token.
+        il.cm = self._open(0, until=self._deadline)
+        il.opened = True
+        return il.cm
+
     def carry(self, out: Outlet) -> None:
         """The response head is out and ``out`` can write the body's chunks from another task:
         while the response task waits for the engine, the relay pump may relay them
@@ -519,15 +551,18 @@ class GenerationBody:
             return await self._inline_end(None)
         gap = self._g.token_gap_timeout
         try:
-            if il.cm is None:
-                il.reader = GenerateReader(incremental=self.replica.incremental)
-                il.decoder = SSEDecoder(self._g.max_sse_line_bytes)
-                # The request's deadline bounds the opening through the client's own scope
-                # (``until``): one cancel scope fewer on the way to the first token.
-                cm = self._open(0, until=self._deadline)
-                il.opened = True
-                il.resp = await cm.__aenter__()
-                il.cm = cm
+            if il.resp is None:
+                if il.cm is None:
+                    self._inline_exchange()
+                cm, failed, il.failed = il.cm, il.failed, None
+                if failed is not None:  # ``open()`` could not send the request
+                    il.cm = None
+                    raise failed
+                try:
+                    il.resp = await cm.__aenter__()  # sends it first if ``open()`` did not
+                except BaseException:
+                    il.cm = None  # the exchange let its connection go
+                    raise
                 il.last = trio.current_time()
             resp, reader, decoder = il.resp, il.reader, il.decoder
             assert resp is not None and reader is not None and decoder is not None
@@ -591,8 +626,8 @@ class GenerationBody:
                 # not the broken read it caused, is the error — also when bytes arrived in the
                 # same instant and the read after the wake-up is the one that failed.
                 return await self._inline_end(self._expired(0, il.reader))
-            if isinstance(e, EngineUnreachable | EngineHTTPError) and il.cm is None:
-                il.opened = False
+            if isinstance(e, EngineUnreachable | EngineHTTPError) and il.resp is None:
+                il.opened = False  # the engine did not take the request, or refused it
             return await self._inline_end(e)
         except trio.TooSlowError:  # no response head in time: by the deadline, or the gap
             assert il.reader is not None  # made before the opening

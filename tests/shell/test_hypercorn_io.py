@@ -877,12 +877,14 @@ async def test_a_streamed_head_is_the_bytes_hypercorn_and_h11_write(
     headers itself (``_head_bytes``): byte for byte what Hypercorn and h11 write for the same
     request and ASGI headers (h11 itself, server side, is the reference), h11 is left framing
     the body as chunks, and the connection serves the next request."""
-    made: list[tuple[list[tuple[bytes, bytes]], bytes | None]] = []
+    made: list[tuple[list[tuple[bytes, bytes]], bytes | None, hypercorn_io.Head | None]] = []
     real = hypercorn_io._head_bytes
 
-    def spy(server: TCPServer, message: dict[str, Any]) -> bytes | None:
-        got = real(server, message)
-        made.append((list(message["headers"]), got))
+    def spy(
+        server: TCPServer, message: dict[str, Any], prepared: hypercorn_io.Head | None = None
+    ) -> bytes | None:
+        got = real(server, message, prepared)
+        made.append((list(message["headers"]), got, prepared))
         return got
 
     monkeypatch.setattr(hypercorn_io, "_head_bytes", spy)
@@ -893,8 +895,9 @@ async def test_a_streamed_head_is_the_bytes_hypercorn_and_h11_write(
         with trio.fail_after(20):
             head, body = await exchange(sock, conn, request, data)
             assert head.status_code == 200 and sse_events(body.decode())[-1] == "[DONE]"
-            (asgi_headers, fast), = made
+            (asgi_headers, fast, prepared), = made
             assert fast is not None
+            assert prepared is not None  # made while the engine worked on the request
             first = next(w for w in writes.writes if w.startswith(b"HTTP/1.1 200"))
             assert first.startswith(fast) and fast.endswith(b"\r\n\r\n")
             # The reference: h11 answering the same request, given what Hypercorn adds.
@@ -969,6 +972,36 @@ def test_the_fast_head_is_only_for_kept_alive_http11(keep_alive: bool, version: 
     assert head.endswith(b"Transfer-Encoding: chunked\r\n\r\n")
     conn = server.protocol.protocol.connection  # type: ignore[attr-defined]
     assert conn.our_state is h11.SEND_BODY and type(conn._writer).__name__ == "ChunkedWriter"
+
+
+def test_a_prepared_head_is_what_the_send_would_make(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A head made ahead (``prepare_head``) is sent as it is within the second it was made
+    in; later it is made again, with the date of the second it is sent in. Either way h11 is
+    moved to framing the body as chunks. Outside one of the gateway's connections there is
+    none to prepare."""
+    start = {"type": "http.response.start", "status": 200, "headers": [(b"x-a", b"1")]}
+    assert hypercorn_io.prepare_head(start) is None
+    server = _served_h11()
+    token = hypercorn_io._SERVING.set(server)
+    try:
+        prepared = hypercorn_io.prepare_head(start)
+        assert hypercorn_io.prepare_head({**start, "status": 404}) is None
+    finally:
+        hypercorn_io._SERVING.reset(token)
+    assert prepared is not None and prepared.data.startswith(b"HTTP/1.1 200 \r\nx-a: 1\r\n")
+    assert hypercorn_io._head_bytes(server, start, prepared) is prepared.data
+    conn = server.protocol.protocol.connection  # type: ignore[attr-defined]
+    assert conn.our_state is h11.SEND_BODY and type(conn._writer).__name__ == "ChunkedWriter"
+
+    later = hypercorn_io.time.time() + 3600
+    monkeypatch.setattr(hypercorn_io.time, "time", lambda: later)
+    monkeypatch.setattr("hypercorn.config.time", lambda: later)  # Hypercorn's date, too
+    server = _served_h11()
+    again = hypercorn_io._head_bytes(server, start, prepared)
+    assert again is not None and again != prepared.data
+    assert again == hypercorn_io._head_bytes(_served_h11(), start)  # as made at send time
+    conn = server.protocol.protocol.connection  # type: ignore[attr-defined]
+    assert conn.our_state is h11.SEND_BODY
 
 
 async def test_a_small_requests_body_is_queued_before_its_app_runs() -> None:

@@ -1,0 +1,141 @@
+"""``GenerationBody.open``: the inline candidate's engine request is sent before ``prime()``
+waits for the response, through the real upstream client and the scripted fake engine.
+
+The route (``sieproxy.app``) makes the client's response head in that window; these tests pin
+what the split must keep: the engine has the request when ``open()`` returns, a failure to send
+is handled by ``prime()`` as its own (a retry on another ready replica), and a response that is
+never awaited is aborted upstream and its connection closed, not pooled.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from engine.fake import FakeEngine, Plan
+from sieproxy.core.merger import ChatStream
+from sieproxy.engine_client import EngineClient
+from sieproxy.pool import ModelPool, RouteHints
+from sieproxy.relay import GenerationBody, RequestStats
+from sieproxy.settings import EngineSpec, GatewaySettings
+from tests.core.test_merger import CREATED, chat, decode
+
+
+def _closed_port() -> int:
+    """A local port nothing listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@asynccontextmanager
+async def _engines(*engines: FakeEngine) -> AsyncIterator[list[int]]:
+    async with trio.open_nursery() as nursery:
+        yield [await nursery.start(e.serve) for e in engines]
+        nursery.cancel_scope.cancel()
+
+
+def _body(client: EngineClient, ports: list[int], rid: str = "open-0") -> GenerationBody:
+    g = GatewaySettings()
+    pool = ModelPool("m", [EngineSpec(url=f"http://127.0.0.1:{p}") for p in ports], g)
+    for r in pool.replicas:
+        r.ready = True
+    shaper = ChatStream(chat(), response_id="chatcmpl-x", model="m", created=CREATED)
+    body = {"rid": rid, "text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 3}}
+    return GenerationBody(
+        g=g,
+        client=client,
+        pool=pool,
+        replica=pool.replicas[0],
+        hints=RouteHints(),
+        bodies=[body],
+        shaper=shaper,
+        streaming=True,
+        stats=RequestStats(request_id="open", model="m", endpoint="chat", n=1, stream=True),
+    )
+
+
+def _text(frames: bytes) -> str:
+    return "".join(
+        e["choices"][0]["delta"].get("content") or ""
+        for e in decode(frames)
+        if isinstance(e, dict) and e.get("choices")
+    )
+
+
+async def _drain(body: GenerationBody) -> bytes:
+    out = await body.prime()
+    async for frames in body:
+        out += frames
+    return out
+
+
+async def test_open_sends_the_request_before_prime_waits() -> None:
+    engine = FakeEngine(script=lambda call: Plan([" a", " b", " c"]))
+    async with _engines(engine) as ports:
+        client = EngineClient(GatewaySettings())
+        body = _body(client, ports)
+        async with body:
+            await body.open()
+            with trio.fail_after(5):
+                await engine.wait_for(lambda: "open-0" in {*engine.running, *engine.finished})
+            out = await _drain(body)
+        assert _text(out) == " a b c" and decode(out)[-1] == "[DONE]"
+        assert engine.aborts == [] and not body.stats.retried
+        assert client._idle_count == 1  # read to its end: pooled for the next request
+        await client.aclose()
+
+
+async def test_a_request_open_could_not_send_is_retried_by_prime() -> None:
+    engine = FakeEngine(script=lambda call: Plan([" a", " b", " c"]))
+    async with _engines(engine) as ports:
+        client = EngineClient(GatewaySettings())
+        body = _body(client, [_closed_port(), *ports])
+        async with body:
+            await body.open()  # the first replica refuses the connection: kept for prime()
+            out = await _drain(body)
+        assert _text(out) == " a b c"
+        assert body.stats.retried and body.replica.url.endswith(f":{ports[0]}")
+        assert [b["rid"] for p, b in engine.requests if p == "/generate"] == ["open-0"]
+        await client.aclose()
+
+
+async def test_a_response_never_awaited_is_aborted_and_its_connection_closed() -> None:
+    engine = FakeEngine(script=lambda call: Plan([" a"] * 50, ttft=30.0))
+    async with _engines(engine) as ports:
+        client = EngineClient(GatewaySettings())
+        body = _body(client, ports)
+        async with body:
+            await body.open()
+            with trio.fail_after(5):
+                await engine.wait_for(lambda: "open-0" in engine.running)
+        # The body left without prime(): the client went away while the engine worked.
+        with trio.fail_after(5):
+            await engine.wait_for(lambda: not engine.running)
+        assert engine.aborts == ["open-0"]
+        # Its connection was closed: what stays open (and pooled) is the abort's own.
+        with trio.fail_after(5):
+            await engine.wait_for(lambda: engine.statistics().connections_open == 1)
+        assert engine.statistics().connections_accepted == 2 and client._idle_count == 1
+        assert client._in_use.value == GatewaySettings().max_connections  # none checked out
+        await client.aclose()
+
+
+async def test_open_is_nothing_for_several_candidates() -> None:
+    """``n`` > 1: the candidates' tasks send their requests as they start."""
+    sent: list[str] = []
+
+    class _Client:
+        def stream_generate(self, url: str, body: dict[str, Any], *, head_timeout: float) -> Any:
+            sent.append(body["rid"])
+            raise AssertionError("not sent by open()")
+
+    body = _body(EngineClient(GatewaySettings()), [_closed_port()])
+    body._il = None  # as for n > 1
+    body._client = _Client()  # type: ignore[assignment]
+    await body.open()
+    assert sent == []

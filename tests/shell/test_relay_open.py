@@ -33,10 +33,24 @@ def _closed_port() -> int:
 
 
 @asynccontextmanager
-async def _engines(*engines: FakeEngine) -> AsyncIterator[list[int]]:
+async def _served(plan: Plan) -> AsyncIterator[tuple[FakeEngine, EngineClient, int]]:
+    """A fake engine that plays ``plan`` for every request, its port, and an upstream client."""
+    engine = FakeEngine(script=lambda call: plan)
     async with trio.open_nursery() as nursery:
-        yield [await nursery.start(e.serve) for e in engines]
-        nursery.cancel_scope.cancel()
+        port = await nursery.start(engine.serve)
+        client = EngineClient(GatewaySettings())
+        try:
+            yield engine, client, port
+        finally:
+            await client.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def _open_until(body: GenerationBody, engine: FakeEngine, rids: Any) -> None:
+    """``open()``, then wait until the engine has the rid (in ``rids()``)."""
+    await body.open()
+    with trio.fail_after(5):
+        await engine.wait_for(lambda: "open-0" in rids())
 
 
 def _body(client: EngineClient, ports: list[int], rid: str = "open-0") -> GenerationBody:
@@ -75,44 +89,32 @@ async def _drain(body: GenerationBody) -> bytes:
 
 
 async def test_open_sends_the_request_before_prime_waits() -> None:
-    engine = FakeEngine(script=lambda call: Plan([" a", " b", " c"]))
-    async with _engines(engine) as ports:
-        client = EngineClient(GatewaySettings())
-        body = _body(client, ports)
+    async with _served(Plan([" a", " b", " c"])) as (engine, client, port):
+        body = _body(client, [port])
         async with body:
-            await body.open()
-            with trio.fail_after(5):
-                await engine.wait_for(lambda: "open-0" in {*engine.running, *engine.finished})
+            await _open_until(body, engine, lambda: {*engine.running, *engine.finished})
             out = await _drain(body)
         assert _text(out) == " a b c" and decode(out)[-1] == "[DONE]"
         assert engine.aborts == [] and not body.stats.retried
         assert client._idle_count == 1  # read to its end: pooled for the next request
-        await client.aclose()
 
 
 async def test_a_request_open_could_not_send_is_retried_by_prime() -> None:
-    engine = FakeEngine(script=lambda call: Plan([" a", " b", " c"]))
-    async with _engines(engine) as ports:
-        client = EngineClient(GatewaySettings())
-        body = _body(client, [_closed_port(), *ports])
+    async with _served(Plan([" a", " b", " c"])) as (engine, client, port):
+        body = _body(client, [_closed_port(), port])
         async with body:
             await body.open()  # the first replica refuses the connection: kept for prime()
             out = await _drain(body)
         assert _text(out) == " a b c"
-        assert body.stats.retried and body.replica.url.endswith(f":{ports[0]}")
+        assert body.stats.retried and body.replica.url.endswith(f":{port}")
         assert [b["rid"] for p, b in engine.requests if p == "/generate"] == ["open-0"]
-        await client.aclose()
 
 
 async def test_a_response_never_awaited_is_aborted_and_its_connection_closed() -> None:
-    engine = FakeEngine(script=lambda call: Plan([" a"] * 50, ttft=30.0))
-    async with _engines(engine) as ports:
-        client = EngineClient(GatewaySettings())
-        body = _body(client, ports)
+    async with _served(Plan([" a"] * 50, ttft=30.0)) as (engine, client, port):
+        body = _body(client, [port])
         async with body:
-            await body.open()
-            with trio.fail_after(5):
-                await engine.wait_for(lambda: "open-0" in engine.running)
+            await _open_until(body, engine, lambda: engine.running)
         # The body left without prime(): the client went away while the engine worked.
         with trio.fail_after(5):
             await engine.wait_for(lambda: not engine.running)
@@ -122,7 +124,6 @@ async def test_a_response_never_awaited_is_aborted_and_its_connection_closed() -
             await engine.wait_for(lambda: engine.statistics().connections_open == 1)
         assert engine.statistics().connections_accepted == 2 and client._idle_count == 1
         assert client._in_use.value == GatewaySettings().max_connections  # none checked out
-        await client.aclose()
 
 
 async def test_open_is_nothing_for_several_candidates() -> None:

@@ -341,14 +341,19 @@ def litellm_bin() -> Path:
     return LITELLM_VENV / "bin" / "litellm"
 
 
+#: The LiteLLM the bench installs: the release every recorded LiteLLM figure was measured with
+#: (bench/RESULTS.md); a newer one is a different peer, to be recorded as such.
+LITELLM_REQUIREMENT = "litellm[proxy]==1.108.7"
+
+
 def ensure_litellm(log=print) -> str | None:
     """LiteLLM's proxy in bench/out/litellm-venv; returns its version, or None."""
     py = LITELLM_VENV / "bin" / "python"
     if not litellm_bin().exists():
-        log(f"installing litellm[proxy] into {LITELLM_VENV} (a few minutes) ...")
+        log(f"installing {LITELLM_REQUIREMENT} into {LITELLM_VENV} (a few minutes) ...")
         try:
             subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
-            subprocess.run([str(py), "-m", "pip", "install", "-q", "litellm[proxy]"], check=True,
+            subprocess.run([str(py), "-m", "pip", "install", "-q", LITELLM_REQUIREMENT], check=True,
                            stdout=subprocess.DEVNULL)
         except (OSError, subprocess.CalledProcessError) as exc:
             log(f"litellm install failed: {exc}")

@@ -53,20 +53,22 @@ async def _open_until(body: GenerationBody, engine: FakeEngine, rids: Any) -> No
         await engine.wait_for(lambda: "open-0" in rids())
 
 
-def _body(client: EngineClient, ports: list[int], rid: str = "open-0") -> GenerationBody:
+def _body(client: EngineClient, ports: list[int], k: int = 1) -> GenerationBody:
     g = GatewaySettings()
     pool = ModelPool("m", [EngineSpec(url=f"http://127.0.0.1:{p}") for p in ports], g)
     for r in pool.replicas:
         r.ready = True
     shaper = ChatStream(chat(), response_id="chatcmpl-x", model="m", created=CREATED)
-    body = {"rid": rid, "text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 3}}
+    sp = {"max_new_tokens": 3}
+    bodies = [{"rid": f"open-{i}", "text": "hi", "stream": True, "sampling_params": sp}
+              for i in range(k)]
     return GenerationBody(
         g=g,
         client=client,
         pool=pool,
         replica=pool.replicas[0],
         hints=RouteHints(),
-        bodies=[body],
+        bodies=bodies,
         shaper=shaper,
         streaming=True,
         stats=RequestStats(request_id="open", model="m", endpoint="chat", n=1, stream=True),
@@ -135,8 +137,7 @@ async def test_open_is_nothing_for_several_candidates() -> None:
             sent.append(body["rid"])
             raise AssertionError("not sent by open()")
 
-    body = _body(EngineClient(GatewaySettings()), [_closed_port()])
-    body._il = None  # as for n > 1
-    body._client = _Client()  # type: ignore[assignment]
+    body = _body(_Client(), [_closed_port()], k=2)  # type: ignore[arg-type]
+    assert body._il is None
     await body.open()
     assert sent == []

@@ -311,10 +311,10 @@ async def _send_generation(
     async with body:
         start = {"type": "http.response.start", "status": 200, "headers": headers}
         try:
-            # The engine request goes out first; the response head is made while the engine
-            # works on it (it is sent only if the engine answers).
-            await body.open()
-            prepared = prepare_head(start) if body.streaming else None
+            # An n = 1 stream's engine request goes out first, and the response head is made
+            # while the engine works on it (it is sent only if the engine answers).
+            sent = await body.open()
+            prepared = prepare_head(start) if sent and body.streaming else None
             head = await body.prime()
         except Exception as exc:
             err = body.stats.error = _as_error(exc, body.stats.request_id)

@@ -504,20 +504,24 @@ class GenerationBody:
         _end_of_body(decoder, reader)
 
     # ------------------------------------------------------------------ n = 1, inline
-    async def open(self) -> None:
+    async def open(self) -> bool:
         """Send the engine request now (``n`` = 1, inline): what the caller does before
         ``prime()`` then overlaps the engine's work on it (the response head's bytes,
         ``sieproxy.app``). ``prime()`` waits for the response. A failure to send is kept for
-        ``prime()``, which handles it as it would its own (a retry on another replica). Does
-        nothing for ``n`` > 1: the candidates' tasks send their requests as they start."""
+        ``prime()``, which handles it as it would its own (a retry on another replica). True
+        if the request went out. Does nothing for ``n`` > 1 (False): the candidates' tasks send
+        their requests as they start, after the caller's next wait, so work the caller does
+        before ``prime()`` would only delay them."""
         il = self._il
         if il is None or il.cm is not None or il.ended or self._causes[0] is not None:
-            return
+            return False
         cm = self._inline_exchange()
         try:
             await cm.send()
         except (GatewayError, trio.TooSlowError) as exc:
             il.failed = exc
+            return False
+        return True
 
     def _inline_exchange(self) -> Any:
         """The inline candidate's exchange with the engine (``il.cm``, not sent yet), and its

@@ -48,7 +48,7 @@ async def _served(plan: Plan) -> AsyncIterator[tuple[FakeEngine, EngineClient, i
 
 async def _open_until(body: GenerationBody, engine: FakeEngine, rids: Any) -> None:
     """``open()``, then wait until the engine has the rid (in ``rids()``)."""
-    await body.open()
+    assert await body.open()
     with trio.fail_after(5):
         await engine.wait_for(lambda: "open-0" in rids())
 
@@ -105,7 +105,7 @@ async def test_a_request_open_could_not_send_is_retried_by_prime() -> None:
     async with _served(Plan([" a", " b", " c"])) as (engine, client, port):
         body = _body(client, [_closed_port(), port])
         async with body:
-            await body.open()  # the first replica refuses the connection: kept for prime()
+            assert not await body.open()  # the first replica refuses: kept for prime()
             out = await _drain(body)
         assert _text(out) == " a b c"
         assert body.stats.retried and body.replica.url.endswith(f":{port}")
@@ -139,5 +139,5 @@ async def test_open_is_nothing_for_several_candidates() -> None:
 
     body = _body(_Client(), [_closed_port()], k=2)  # type: ignore[arg-type]
     assert body._il is None
-    await body.open()
+    assert not await body.open()
     assert sent == []

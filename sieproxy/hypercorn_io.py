@@ -72,6 +72,10 @@ the body as chunks from there). Hypercorn's path checked and copied the headers 
 (Hypercorn once, h11 three times) on the way to a request's first token. Any other response
 (another status, a length, a connection that must close, HTTP/1.0, a header h11 owns or would
 refuse) goes Hypercorn's way; tests/shell/test_hypercorn_io.py compares the bytes with h11's.
+A caller that must wait before it sends (the gateway's route, for the engine) can have the head
+checked and written out during the wait (``prepare_head``): at the send only the connection's
+state is checked and h11 given the event, and a head made in an earlier second is made again
+(Hypercorn's ``date`` is of the second it is sent in).
 
 ``TaskGroup`` replaces the task group Hypercorn gives each connection, for the queue between the
 connection and the app's task: a request's first two ASGI messages (a body in one piece and its

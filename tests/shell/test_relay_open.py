@@ -10,7 +10,7 @@ never awaited is aborted upstream and its connection closed, not pooled.
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -46,7 +46,9 @@ async def _served(plan: Plan) -> AsyncIterator[tuple[FakeEngine, EngineClient, i
             nursery.cancel_scope.cancel()
 
 
-async def _open_until(body: GenerationBody, engine: FakeEngine, rids: Any) -> None:
+async def _open_until(
+    body: GenerationBody, engine: FakeEngine, rids: Callable[[], set[str]]
+) -> None:
     """``open()``, then wait until the engine has the rid (in ``rids()``)."""
     assert await body.open()
     with trio.fail_after(5):

@@ -231,7 +231,7 @@ class Exchange:
     entry that fails lets the connection go itself.
     """
 
-    __slots__ = ("_client", "_conn", "_data", "_deadline", "_ok_only", "_origin", "_resp", "_sent")
+    __slots__ = ("_client", "_conn", "_data", "_deadline", "_ok_only", "_origin", "_resp")
 
     def __init__(
         self, client: EngineClient, origin: _Origin, data: bytes, deadline: float, ok_only: bool
@@ -240,11 +240,11 @@ class Exchange:
         self._deadline, self._ok_only = deadline, ok_only
         self._conn: _Conn | None = None
         self._resp: UpstreamResponse | None = None
-        self._sent = False
 
     async def send(self) -> None:
-        """Check out a connection and write the request."""
-        assert self._conn is None and not self._sent
+        """Check out a connection and write the request (it is sent once this returns: the
+        exchange then holds the connection)."""
+        assert self._conn is None and self._resp is None
         client, deadline = self._client, self._deadline
         try:
             with trio.CancelScope(deadline=deadline) as scope:
@@ -255,8 +255,7 @@ class Exchange:
                 except _BROKEN as exc:
                     msg = "The connection to the engine broke before the response."
                     raise _truncated(exc, msg) from exc
-                self._sent = True
-            if not self._sent:  # this scope's deadline fired
+            if scope.cancelled_caught:  # this scope's deadline fired
                 if scope.deadline < deadline:
                     raise EngineUnreachable("The engine did not take the request in time.")
                 raise trio.TooSlowError
@@ -265,7 +264,7 @@ class Exchange:
             raise
 
     async def __aenter__(self) -> UpstreamResponse:
-        if not self._sent:
+        if self._conn is None:
             await self.send()
         c = self._conn
         assert c is not None

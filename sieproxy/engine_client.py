@@ -217,6 +217,11 @@ class UpstreamResponse:
         return b"".join(parts)
 
 
+#: The error text of a connection that broke before the engine's response head (while the
+#: request was sent, or while its head was awaited).
+_BROKE_BEFORE = "The connection to the engine broke before the response."
+
+
 class Exchange:
     """One request to the engine on a pooled connection, as an async context manager that
     yields the response once its head arrived (``EngineClient._post``).
@@ -253,8 +258,7 @@ class Exchange:
                 try:
                     await c.send_all(self._data)
                 except _BROKEN as exc:
-                    msg = "The connection to the engine broke before the response."
-                    raise _truncated(exc, msg) from exc
+                    raise _truncated(exc, _BROKE_BEFORE) from exc
             if scope.cancelled_caught:  # this scope's deadline fired
                 if scope.deadline < deadline:
                     raise EngineUnreachable("The engine did not take the request in time.")
@@ -279,8 +283,7 @@ class Exchange:
                             parser.eof()
                         rest = parser.feed(got)
                 except (FramingError, *_BROKEN) as exc:
-                    msg = "The connection to the engine broke before the response."
-                    raise _truncated(exc, msg) from exc
+                    raise _truncated(exc, _BROKE_BEFORE) from exc
                 self._resp = UpstreamResponse(c, parser, rest)
             resp = self._resp
             if resp is None:  # the deadline fired

@@ -9,7 +9,6 @@ never awaited is aborted upstream and its connection closed, not pooled.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -23,13 +22,7 @@ from sieproxy.pool import ModelPool, RouteHints
 from sieproxy.relay import GenerationBody, RequestStats
 from sieproxy.settings import EngineSpec, GatewaySettings
 from tests.core.test_merger import CREATED, chat, decode
-
-
-def _closed_port() -> int:
-    """A local port nothing listens on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.engine.test_supervisor import free_port
 
 
 @asynccontextmanager
@@ -105,7 +98,7 @@ async def test_open_sends_the_request_before_prime_waits() -> None:
 
 async def test_a_request_open_could_not_send_is_retried_by_prime() -> None:
     async with _served(Plan([" a", " b", " c"])) as (engine, client, port):
-        body = _body(client, [_closed_port(), port])
+        body = _body(client, [free_port(), port])  # nothing listens on the first
         async with body:
             assert not await body.open()  # the first replica refuses: kept for prime()
             out = await _drain(body)
@@ -139,7 +132,7 @@ async def test_open_is_nothing_for_several_candidates() -> None:
             sent.append(body["rid"])
             raise AssertionError("not sent by open()")
 
-    body = _body(_Client(), [_closed_port()], k=2)  # type: ignore[arg-type]
+    body = _body(_Client(), [free_port()], k=2)  # type: ignore[arg-type]
     assert body._il is None
     assert not await body.open()
     assert sent == []

@@ -369,6 +369,11 @@ class EngineClient:
             self._origins[base] = o
         return o
 
+    @property
+    def spare_connections(self) -> int:
+        """How many connections can be checked out now without waiting for a slot."""
+        return self._in_use.value
+
     async def _checkout(self, o: _Origin) -> _Conn:
         """A connection to ``o`` counted against ``max_connections`` (an idle one if a live one
         is there, else a new one)."""

@@ -3,8 +3,10 @@
 Theory of operation
 -------------------
 A :class:`GenerationBody` is the response body of a generation request. The HTTP layer
-(``app.GatewayHTTPConnection``) enters it (``__aenter__`` opens the request's nursery and starts
-one task per candidate), then calls :meth:`prime`, which waits for the first upstream event:
+(``app.GatewayHTTPConnection``) enters it (``__aenter__`` opens the request's nursery), may call
+:meth:`open` (which sends the engine requests and starts one task per candidate; otherwise
+``prime`` starts them and they send their own), then calls :meth:`prime`, which waits for the
+first upstream event:
 
 * if the engine failed before producing anything, ``prime`` raises the error and the status line
   carries it (503 + Retry-After, 400, 500, ...) — after one retry on another ready replica when
@@ -28,9 +30,10 @@ its single candidate itself between two client writes (``_inline_next``), throug
 edge helpers as the candidate tasks; a stalled write there is handled by the sweeper closing the
 upstream connection and sending the abort (``abort_stalled``), and its waits for the engine are
 bounded by the process's :class:`WaitTimer` (gap and deadline) instead of a cancel scope each.
-The HTTP layer may call :meth:`open` before ``prime``: the single candidate's request is then
-sent at once, and what the HTTP layer does before ``prime`` (the response head's bytes)
-overlaps the engine's work on it.
+The HTTP layer may call :meth:`open` before ``prime``: the requests are then sent at once (for
+``n`` > 1 one after the other from the response task, before the candidates' tasks start), and
+what the HTTP layer does before ``prime`` (the response head's bytes) overlaps the engine's work
+on them.
 
 Every candidate that ends without a terminal event from its engine (client gone, deadline,
 stop string matched by the gateway, best_of loser, error, stall) sends exactly one
@@ -45,7 +48,7 @@ import heapq
 import itertools
 import logging
 import math
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -64,7 +67,7 @@ from .core.errors import (
 from .core.events import CandidateDelta, CandidateFinish
 from .core.sse import SSEDecoder
 from .core.upstream import GenerateReader
-from .engine_client import EngineClient, UpstreamResponse
+from .engine_client import EngineClient, Exchange, UpstreamResponse
 from .pool import ModelPool, Replica, RouteHints
 from .pump import Outlet, Pump
 from .settings import GatewaySettings
@@ -300,7 +303,6 @@ class GenerationBody:
             return self
         self._nursery_cm = trio.open_nursery()
         self._nursery = await self._nursery_cm.__aenter__()
-        self._launch()
         return self
 
     async def __aexit__(
@@ -323,7 +325,9 @@ class GenerationBody:
             self._pool.release(self.replica, self._held)
             self._held = 0
 
-    def _launch(self) -> None:
+    def _launch(self, sent: Sequence[Exchange | Exception] = ()) -> None:
+        """Start the candidates' tasks; ``sent[i]``: candidate ``i``'s request as ``open()``
+        sent it (or why it could not), else the task sends it."""
         assert self._nursery is not None
         send, recv = trio.open_memory_channel[Event](self._g.channel_size)
         self._recv = recv
@@ -331,7 +335,8 @@ class GenerationBody:
         self._reset_candidates()
         with send:
             for i in range(self._k):
-                self._nursery.start_soon(self._candidate, i, send.clone())
+                ex = sent[i] if i < len(sent) else None
+                self._nursery.start_soon(self._candidate, i, send.clone(), ex)
 
     def _reset_candidates(self) -> None:
         """Fresh per-candidate state (at start, and for a retry on another replica)."""
@@ -433,7 +438,12 @@ class GenerationBody:
             return None
         return err
 
-    async def _candidate(self, i: int, send: trio.MemorySendChannel[Event]) -> None:
+    async def _candidate(
+        self,
+        i: int,
+        send: trio.MemorySendChannel[Event],
+        sent: Exchange | Exception | None = None,
+    ) -> None:
         """Stream one candidate from the engine into the channel (theory: module docstring)."""
         replica = self.replica
         scope = self._scopes[i]
@@ -448,7 +458,9 @@ class GenerationBody:
                         # it, unless the engine itself refused it (no connection, an error
                         # status before any output).
                         opened = True
-                        async with self._open(i) as resp:
+                        if isinstance(sent, Exception):  # open() could not send it
+                            raise sent
+                        async with sent or self._open(i) as resp:
                             await self._feed(i, resp, reader, send, scope)
                     except GatewayError as e:
                         err = e
@@ -505,15 +517,21 @@ class GenerationBody:
 
     # ------------------------------------------------------------------ n = 1, inline
     async def open(self) -> bool:
-        """Send the engine request now (``n`` = 1, inline): what the caller does before
-        ``prime()`` then overlaps the engine's work on it (the response head's bytes,
-        ``sieproxy.app``). ``prime()`` waits for the response. A failure to send is kept for
-        ``prime()``, which handles it as it would its own (a retry on another replica). True
-        if the request went out. Does nothing for ``n`` > 1 (False): the candidates' tasks send
-        their requests as they start, after the caller's next wait, so work the caller does
-        before ``prime()`` would only delay them."""
+        """Send the engine requests now: what the caller does before ``prime()`` then
+        overlaps the engine's work on them (the response head's bytes, ``sieproxy.app``).
+        ``prime()`` waits for the answers. True if every request went out.
+
+        ``n`` = 1 (inline): a failure to send is kept for ``prime()``, which handles it as it
+        would its own (a retry on another replica). ``n`` > 1: this task sends every
+        candidate's request, one after the other, and then starts the candidates' tasks,
+        which wait for the answers (``_launch``); a candidate whose request could not be sent
+        fails in its task as if the task had sent it. Only requests that find a connection
+        slot free are sent here: the rest are sent by their tasks, which can wait for one
+        (this task would wait for a slot its own unread requests hold)."""
         il = self._il
-        if il is None or il.cm is not None or il.ended or self._causes[0] is not None:
+        if il is None:
+            return await self._send_candidates()
+        if il.cm is not None or il.ended or self._causes[0] is not None:
             return False
         cm = self._inline_exchange()
         try:
@@ -522,6 +540,27 @@ class GenerationBody:
             il.failed = exc
             return False
         return True
+
+    async def _send_candidates(self) -> bool:
+        if self._nursery is None or self._recv is not None:  # not entered, or launched
+            return False
+        sent: list[Exchange | Exception] = []
+        try:
+            for i in range(self._k):
+                if not self._client.spare_connections:
+                    break
+                ex = self._open(i, until=self._deadline)
+                try:
+                    await ex.send()
+                except (GatewayError, trio.TooSlowError) as exc:
+                    sent.append(exc)
+                else:
+                    sent.append(ex)
+        finally:
+            # Also when cancelled here (the client left): the tasks let what was sent go
+            # (each aborts its rid and closes its connection, as on any early end).
+            self._launch(sent)
+        return len(sent) == self._k and not any(isinstance(x, Exception) for x in sent)
 
     def _inline_exchange(self) -> Any:
         """The inline candidate's exchange with the engine (``il.cm``, not sent yet), and its
@@ -795,6 +834,8 @@ class GenerationBody:
             if self._causes[0] == "stop":  # the gateway matched a stop string: end it now
                 out += self._merge(await self._inline_next())
             return out
+        if self._recv is None:  # open() was not called: the tasks send their requests
+            self._launch()
         assert self._recv is not None
         try:
             first = await take(self._recv)  # the response's next write yields

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
 
+import pytest
 import trio
 
 from engine.fake import FakeEngine, Plan
 from sieproxy.core.merger import ChatStream
-from sieproxy.engine_client import EngineClient
+from sieproxy.engine_client import EngineClient, Exchange
 from sieproxy.pool import ModelPool, RouteHints
 from sieproxy.relay import GenerationBody, RequestStats
 from sieproxy.settings import EngineSpec, GatewaySettings
@@ -53,7 +53,7 @@ def _body(client: EngineClient, ports: list[int], k: int = 1) -> GenerationBody:
     pool = ModelPool("m", [EngineSpec(url=f"http://127.0.0.1:{p}") for p in ports], g)
     for r in pool.replicas:
         r.ready = True
-    shaper = ChatStream(chat(), response_id="chatcmpl-x", model="m", created=CREATED)
+    shaper = ChatStream(chat(k), response_id="chatcmpl-x", model="m", created=CREATED)
     sp = {"max_new_tokens": 3}
     bodies = [{"rid": f"open-{i}", "text": "hi", "stream": True, "sampling_params": sp}
               for i in range(k)]
@@ -66,7 +66,7 @@ def _body(client: EngineClient, ports: list[int], k: int = 1) -> GenerationBody:
         bodies=bodies,
         shaper=shaper,
         streaming=True,
-        stats=RequestStats(request_id="open", model="m", endpoint="chat", n=1, stream=True),
+        stats=RequestStats(request_id="open", model="m", endpoint="chat", n=k, stream=True),
     )
 
 
@@ -123,16 +123,74 @@ async def test_a_response_never_awaited_is_aborted_and_its_connection_closed() -
         assert client._in_use.value == GatewaySettings().max_connections  # none checked out
 
 
-async def test_open_is_nothing_for_several_candidates() -> None:
-    """``n`` > 1: the candidates' tasks send their requests as they start."""
-    sent: list[str] = []
+async def test_open_sends_every_candidates_request_from_the_calling_task() -> None:
+    """``n`` > 1: ``open()`` sends each candidate's request itself, one after the other,
+    before the candidates' tasks start; each task then waits for its answer."""
+    senders: list[tuple[object, bool]] = []
+    real_send = Exchange.send
 
-    class _Client:
-        def stream_generate(self, url: str, body: dict[str, Any], *, head_timeout: float) -> Any:
-            sent.append(body["rid"])
-            raise AssertionError("not sent by open()")
+    async def spy(self: Exchange) -> None:
+        senders.append((trio.lowlevel.current_task(), body._recv is None))
+        await real_send(self)
 
-    body = _body(_Client(), [free_port()], k=2)  # type: ignore[arg-type]
-    assert body._il is None
-    assert not await body.open()
-    assert sent == []
+    async with _served(Plan([" a", " b", " c"])) as (engine, client, port):
+        body = _body(client, [port], k=3)
+        assert body._il is None
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(Exchange, "send", spy)
+            async with body:
+                assert await body.open()
+                out = await _drain(body)
+        assert engine.aborts == [] and client._idle_count == 3  # all read to their ends
+    me = trio.lowlevel.current_task()
+    assert senders == [(me, True)] * 3  # this task, before the candidates' channel existed
+    texts = {}
+    for e in decode(out):
+        if isinstance(e, dict) and e.get("choices"):
+            c = e["choices"][0]
+            texts[c["index"]] = texts.get(c["index"], "") + (c["delta"].get("content") or "")
+    assert texts == {0: " a b c", 1: " a b c", 2: " a b c"}
+
+
+async def test_a_candidate_open_could_not_send_fails_in_its_task() -> None:
+    """A candidate whose request ``open()`` could not send ends as if its task had tried:
+    the engine refused the connection, so the whole answer is retried on the other replica."""
+    async with _served(Plan([" a", " b", " c"])) as (engine, client, port):
+        body = _body(client, [free_port(), port], k=2)  # nothing listens on the first
+        async with body:
+            assert not await body.open()
+            out = await _drain(body)
+        assert body.stats.retried and body.replica.url.endswith(f":{port}")
+        assert sorted(b["rid"] for p, b in engine.requests if p == "/generate") == [
+            "open-0", "open-1"]
+        assert decode(out)[-1] == "[DONE]" and engine.aborts == []
+
+
+async def test_candidates_open_sent_are_aborted_when_the_client_leaves() -> None:
+    """The body left right after ``open()`` (the client went away while the engine worked):
+    every sent candidate is aborted and its connection closed, none left checked out."""
+    async with _served(Plan([" a"] * 50, ttft=30.0)) as (engine, client, port):
+        body = _body(client, [port], k=3)
+        async with body:
+            assert await body.open()
+            with trio.fail_after(5):
+                await engine.wait_for(lambda: len(engine.running) == 3)
+        with trio.fail_after(5):
+            await engine.wait_for(lambda: not engine.running)
+        assert sorted(engine.aborts) == ["open-0", "open-1", "open-2"]
+        assert client.spare_connections == GatewaySettings().max_connections
+
+
+async def test_open_leaves_to_the_tasks_what_finds_no_connection_slot() -> None:
+    """With fewer connection slots than candidates, ``open()`` sends what has a slot and the
+    tasks send the rest as slots free up: it never waits for a slot its own unread requests
+    hold (which would hang until the pool timeout)."""
+    async with _served(Plan([" a", " b"])) as (engine, client, port):
+        client._in_use = trio.Semaphore(2)  # two connections in all, three candidates
+        body = _body(client, [port], k=3)
+        with trio.fail_after(10):
+            async with body:
+                assert not await body.open()
+                out = await _drain(body)
+        assert decode(out)[-1] == "[DONE]" and engine.aborts == []
+        assert len([b for p, b in engine.requests if p == "/generate"]) == 3

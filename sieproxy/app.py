@@ -311,8 +311,9 @@ async def _send_generation(
     async with body:
         start = {"type": "http.response.start", "status": 200, "headers": headers}
         try:
-            # An n = 1 stream's engine request goes out first, and the response head is made
-            # while the engine works on it (it is sent only if the engine answers).
+            # The engine requests go out first (every candidate's that finds a connection), and
+            # the response head is made while the engine works on them (it is sent only if the
+            # engine answers).
             sent = await body.open()
             prepared = prepare_head(start) if sent and body.streaming else None
             head = await body.prime()

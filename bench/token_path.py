@@ -109,10 +109,12 @@ async def relay(tokens: int, config: str) -> dict[str, Any]:
         replica=Replica(url="http://engine", ready=True, incremental=True), hints=RouteHints(),
         bodies=plan.bodies, shaper=plan.shaper, streaming=True,
         stats=RequestStats(request_id="r", model=plan.model, endpoint="chat", n=1, stream=True),
+        pump=state.pump,
     )
     body._now = trio.lowlevel.current_clock().current_time  # as __aenter__ sets it
     body._deadline = math.inf
     body._shaper.start()  # the role chunk: prime()'s work, before the loop
+    body.stats.first_token_at = 0.0  # prime() counted the first token
     parser = ResponseParser()
     parser.feed(HEAD)
     client = _Client()
@@ -123,7 +125,7 @@ async def relay(tokens: int, config: str) -> dict[str, Any]:
     il.resp = UpstreamResponse(_Engine(), parser, b"")  # type: ignore[arg-type]
     il.reader = GenerateReader(incremental=True)
     il.decoder = SSEDecoder(state.settings.gateway.max_sse_line_bytes)
-    il.out = out
+    body.carry(out)  # the response head is out: the pump may relay (as the route does)
     for _ in range(tokens):
         if not body.ride():
             raise SystemExit(f"the relay handed the stream back: {il.stash!r}")

@@ -65,6 +65,7 @@ from .core.errors import (
     UpstreamError,
 )
 from .core.events import CandidateDelta, CandidateFinish
+from .core.express import Express
 from .core.sse import SSEDecoder
 from .core.upstream import GenerateReader
 from .engine_client import EngineClient, Exchange, UpstreamResponse
@@ -161,6 +162,8 @@ class _Inline:
     # the exception to raise).
     out: Outlet | None = None
     stash: bytes | Exception | None = None
+    # The express lane of the pump's step (``core.express``; None where it never applies).
+    express: Express | None = None
 
 
 class WaitTimer:
@@ -579,8 +582,11 @@ class GenerationBody:
         """The response head is out and ``out`` can write the body's chunks from another task:
         while the response task waits for the engine, the relay pump may relay them
         (``ride``; ``n`` = 1 only, and only with a pump)."""
-        if self._il is not None and self._pump is not None:
-            self._il.out = out
+        il = self._il
+        if il is not None and self._pump is not None:
+            il.out = out
+            assert il.decoder is not None and il.reader is not None  # made before the head
+            il.express = Express.of(il.decoder, il.reader, self._shaper)
 
     async def _inline_next(self) -> list[Event]:
         """The single candidate's next events, read by the response task itself (no task, no
@@ -696,7 +702,18 @@ class GenerationBody:
                 il.stash = raw
                 return False
             il.last = now
-            if not reader.done:  # past [DONE]: read the body to its end (connection reuse)
+            ex = il.express
+            # The common token in one step (``core.express``) once the first token was
+            # counted (its time is the request's time to first token); else, or for anything
+            # the lane does not take, the general path, from the same bytes.
+            frame = (
+                ex.relay(raw) if ex is not None and self.stats.first_token_at is not None
+                else None
+            )
+            if frame is not None:
+                if frame and not il.out.write_nowait(frame):
+                    return False  # the rest of the frame: the task flushes it
+            elif not reader.done:  # past [DONE]: read the body to its end (connection reuse)
                 events, err = self._events(0, raw, decoder, reader)
                 if err is not None:
                     il.stash = err

@@ -158,8 +158,9 @@ class ChoiceState:
         self._stop = StopMatcher(stops or [])
         self._reasoning = reasoning() if reasoning is not None else None
         self._tools = tools() if tools is not None else None
-        #: Every stage passes text through unchanged (see the module docstring).
-        self._plain = not (self._stop.stops or reasoning or tools or collect)
+        #: Every stage passes text through unchanged (see the module docstring; read by the
+        #: express lane, ``core.express``).
+        self.plain = not (self._stop.stops or reasoning or tools or collect)
         self._pending: list[TokenLogprob] = []
         self._hiding = False  # the last output was hidden reasoning
         self._content: list[str] = []
@@ -206,7 +207,7 @@ class ChoiceState:
             self.cumulative_logprob += lp.logprob
         if self.want_logprobs:
             self._pending.extend(delta.logprobs)
-        if self._plain and not self._pending:
+        if self.plain and not self._pending:
             return ChoiceDelta(delta.text)
         safe, matched = self._stop.feed(delta.text)
         out = self._process(safe, final=False)

@@ -251,25 +251,29 @@ class _StreamBase:
         )
         self._tail = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
         self.choices: list[ChoiceState] = []
-        self._affixes: list[tuple[bytes, bytes]] = []  # ``_text_chunk``'s, per choice index
+        self._affixes: list[tuple[bytes, bytes]] = []  # ``text_affixes``, per choice index
 
     def _text_choice(self, index: int, text: str) -> Struct:
         """The choice of a chunk that carries only ``text`` (what ``_text_chunk`` frames)."""
         raise NotImplementedError
 
-    def _text_chunk(self, index: int, text: str) -> bytes:
-        """The chunk ``_chunk`` writes for ``_text_choice(index, text)``, byte for byte, from
-        the bytes around the text encoded once per choice: the common chunk of a stream (a
-        token of text) then costs one string encoding instead of two Structs and their
-        encoding."""
+    def text_affixes(self, index: int) -> tuple[bytes, bytes]:
+        """The bytes before and after the JSON of the text in choice ``index``'s chunk of
+        only text (``_text_choice``): its encoding with an empty text, split around that
+        text's ``""`` (the last string field before the constant tail), made once per choice."""
         affixes = self._affixes
         while len(affixes) <= index:
-            # The choice with an empty text, split around that text's encoding (``""``, the
-            # last one: the text is the last string field before the constant tail).
             whole = _enc.encode(self._text_choice(len(affixes), ""))
             cut = whole.rindex(b'""')
             affixes.append((self._head + whole[:cut], whole[cut + 2 :] + self._tail))
-        pre, post = affixes[index]
+        return affixes[index]
+
+    def _text_chunk(self, index: int, text: str) -> bytes:
+        """The chunk ``_chunk`` writes for ``_text_choice(index, text)``, byte for byte, from
+        the bytes around the text (``text_affixes``): the common chunk of a stream (a token of
+        text) then costs one string encoding instead of two Structs and their encoding."""
+        affixes = self._affixes
+        pre, post = affixes[index] if index < len(affixes) else self.text_affixes(index)
         return b"".join((pre, _enc.encode(text), post))
 
     def _to(self, event: _Ev) -> None:

@@ -43,7 +43,7 @@ import msgspec
 from .errors import EngineAborted, EngineMalformed, EngineStreamError, EngineTruncated
 from .events import CandidateDelta, CandidateFinish, TokenLogprob, TopLogprob
 
-__all__ = ["NEG_INF_LOGPROB", "GenerateReader", "parse_generate_response"]
+__all__ = ["NEG_INF_LOGPROB", "GenerateReader", "decode_chunk", "parse_generate_response"]
 
 NEG_INF_LOGPROB = -9999.0
 
@@ -70,12 +70,13 @@ class _Chunk(msgspec.Struct, gc=False):
     code: Any = None
 
 
-_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+#: One ``/generate`` chunk's JSON (``str`` or bytes) as a ``_Chunk`` (also ``core.express``).
+decode_chunk = msgspec.json.Decoder(_Chunk).decode
 
 
 def _decode(payload: str | bytes) -> tuple[str, _Meta]:
     try:
-        chunk = _decode_chunk(payload)
+        chunk = decode_chunk(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise EngineMalformed() from exc
     if chunk.error is not msgspec.UNSET and chunk.error is not None:

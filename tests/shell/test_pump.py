@@ -28,6 +28,7 @@ import trio.testing
 
 from engine.fake import FakeEngine, Fault, Plan
 from sieproxy import hypercorn_io, relay
+from sieproxy.core.express import Express
 from sieproxy.pump import Pump
 
 from .harness import MODEL, Gateway, host_port, running_gateway, sse_events
@@ -242,12 +243,13 @@ class _Counts:
     parks: int = 0
     carried: int = 0  # chunks the pump wrote to a client
     handed: int = 0  # a write the pump left for the response task
+    express: int = 0  # reads the express lane took (core.express)
 
 
 @pytest.fixture
 def counts(monkeypatch: pytest.MonkeyPatch) -> _Counts:
     c = _Counts()
-    park, write_nowait = Pump.park, hypercorn_io.ChunkWriter.write_nowait
+    park, write_nowait, express = Pump.park, hypercorn_io.ChunkWriter.write_nowait, Express.relay
 
     async def counting_park(self: Pump, fd: int, rider: Any) -> None:
         c.parks += 1
@@ -261,7 +263,13 @@ def counts(monkeypatch: pytest.MonkeyPatch) -> _Counts:
             c.handed += 1
         return ok
 
+    def counting_express(self: Express, data: bytes) -> bytes | None:
+        frame = express(self, data)
+        c.express += frame is not None
+        return frame
+
     monkeypatch.setattr(Pump, "park", counting_park)
+    monkeypatch.setattr(Express, "relay", counting_express)
     monkeypatch.setattr(hypercorn_io.ChunkWriter, "write_nowait", counting_write)
     return c
 
@@ -293,6 +301,7 @@ async def test_the_tokens_of_a_waiting_stream_are_written_by_the_pump(counts: _C
         assert counts.carried >= 20, counts
         assert counts.parks <= 5, counts
         assert counts.handed == 0
+        assert counts.express >= 20, counts  # the pump's tokens took the express lane
         by_task = sse_events((await _without_pump(gw)).text)
         assert _anonymous(by_task) == _anonymous(events), "the pump wrote what the task writes"
         await _idle_pump(gw)
@@ -458,17 +467,27 @@ async def test_a_client_slower_than_the_tokens_gets_every_byte(counts: _Counts) 
 async def test_a_shaper_bug_while_carried_ends_with_an_error_event(
     counts: _Counts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    merge = relay.GenerationBody._merge
+    """A bug in the step that shapes a token (the general merge or the express lane, whichever
+    takes it) ends the stream with an error event, after what went before it."""
+    merge, express = relay.GenerationBody._merge, Express.relay
     calls = 0
 
-    def failing_merge(self: relay.GenerationBody, events: Any) -> bytes:
+    def step() -> None:
         nonlocal calls
         calls += 1
         if calls == 6:
             raise RuntimeError("shaper bug")
+
+    def failing_merge(self: relay.GenerationBody, events: Any) -> bytes:
+        step()
         return merge(self, events)
 
+    def failing_express(self: Express, data: bytes) -> bytes | None:
+        step()
+        return express(self, data)
+
     monkeypatch.setattr(relay.GenerationBody, "_merge", failing_merge)
+    monkeypatch.setattr(Express, "relay", failing_express)
     engine = FakeEngine(script=faulty(Plan(TOKENS, itl=0.03)))
     async with running_gateway(engine) as gw:
         r = await post(gw, "fault-bug", stream=True)

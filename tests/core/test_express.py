@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import zlib
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import given, seed
 from hypothesis import strategies as st
 
 from sieproxy.core.errors import GatewayError
@@ -25,15 +24,8 @@ from sieproxy.core.express import Express
 from sieproxy.core.merger import ChatStream, CompletionStream
 from sieproxy.core.sse import SSEDecoder
 from sieproxy.core.upstream import GenerateReader
+from tests.core.test_fuzz_core import FUZZ, SEED
 from tests.core.test_merger import CREATED, chat, completion, decode
-
-SEED = int(os.environ.get("SIEPROXY_FUZZ_SEED", "1729"))
-FUZZ = settings(
-    max_examples=int(os.environ.get("SIEPROXY_FUZZ_EXAMPLES", "300")),
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
 
 
 def _shaper(kind: str, **kw: Any) -> ChatStream | CompletionStream:

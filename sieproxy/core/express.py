@@ -84,42 +84,41 @@ class Express:
         return cls(decoder, reader, shaper, index)
 
     def relay(self, data: bytes) -> bytes | None:
-        """The client's SSE frame for one engine read (``b""`` if it shows nothing new), or
+        """The client's SSE frames for one engine read (``b""`` if it shows nothing new), or
         ``None`` if the read is not the common case: then nothing was changed, and ``data``
-        goes to the general path.
+        goes to the general path. A read of several whole events (a relay that fell behind
+        reads tokens in bursts) is taken if every one of them is common, else none is.
 
         State it reads: ``SSEDecoder``'s buffers and flags (as its fast path checks them),
         ``GenerateReader.done`` / ``finished`` / ``incremental``, the stream's and the choice's
-        phase. State it moves, as ``GenerateReader.feed`` and
-        ``ChoiceState.feed`` move it: the reader's emitted length, CRC and token counts, the
-        choice's completion tokens."""
+        phase. State it moves, as ``GenerateReader.feed`` and ``ChoiceState.feed`` move it:
+        the reader's emitted length, CRC and token counts, the choice's completion tokens
+        (``_burst`` puts them back)."""
         d = self._decoder
+        reader = self._reader
+        choice = self._choice
         n = len(data)
         # A partial line or event, a pending LF, the first line, a failure: the decoder's
-        # general path must see these bytes. So must anything but one data line and its blank
-        # line (SSEDecoder.feed's own fast path checks the same).
+        # general path must see these bytes. So must anything but whole events of one data
+        # line and its blank line each (SSEDecoder.feed's own fast path checks the same).
         if (
             d._buf
             or d._data
             or d._skip_lf
             or d._first_line
             or d._broken
+            or reader.done
+            or reader._finished
+            or choice.phase is not _OPEN
+            or self._shaper.phase is not _STREAMING
+            or not n
             or n > d.max_line
-            or data[:6] != b"data: "
-            or data.find(b"\n") != n - 2  # one line, then the blank line: LF LF at the end
             or data[-1] != 0x0A
             or 0x0D in data  # a CR ends a line too
         ):
             return None
-        reader = self._reader
-        choice = self._choice
-        if (
-            reader.done
-            or reader._finished
-            or choice.phase is not _OPEN
-            or self._shaper.phase is not _STREAMING
-        ):
-            return None
+        if data.find(b"\n") != n - 2 or not data.startswith(b"data: "):
+            return self._burst(data)  # several events, or not the common case
         try:
             # ASCII needs no UTF-8 check; anything else is checked whole, as the SSE decoder
             # does (msgspec does not look inside the fields it skips).
@@ -160,3 +159,22 @@ class Express:
         if affixes is None:
             affixes = self._affixes = self._shaper.text_affixes(self._index)
         return b"".join((affixes[0], _enc.encode(text), affixes[1]))
+
+    def _burst(self, data: bytes) -> bytes | None:
+        """Two or more whole events in one read, each through ``relay``: all of them, or none
+        (what ``relay`` moved for the first ones is put back when a later one is declined)."""
+        events = data.split(b"\n\n")
+        if len(events) < 3 or events.pop():  # not whole events, each ended by a blank line
+            return None
+        reader, choice = self._reader, self._choice
+        saved = (reader._emitted, reader._crc, reader._tokens, reader._prompt_tokens,
+                 choice.completion_tokens)  # fmt: skip
+        frames = []
+        for event in events:
+            frame = self.relay(event + b"\n\n")  # (an event of two lines: declined there)
+            if frame is None:
+                (reader._emitted, reader._crc, reader._tokens, reader._prompt_tokens,
+                 choice.completion_tokens) = saved  # fmt: skip
+                return None
+            frames.append(frame)
+        return b"".join(frames)

@@ -122,7 +122,7 @@ events = st.one_of(
              "comment", "other-field", "multiline", "crlf", "nospace", "extra-fields",
              "null-error", "empty-logprobs", "cr-in-json", "lf-in-json", "cr-only",
              "error-full", "object-error-full", "multiline-blank-first", "no-text",
-             "field-6"]
+             "field-6", "comment-line"]
         ),
         texts,
         st.integers(0, 3),
@@ -185,6 +185,9 @@ def stream_bytes(evs: list[tuple[str, str, int]], incremental: bool, bom: bool) 
             line = b"data: " + json.dumps(obj)[:-1].encode() + b', "x": "\xff"}\n\n'
         elif kind == "field-6":  # another field, as long as "data: ", then the JSON
             line = b"event:" + json.dumps(obj).encode() + b"\n\n"
+        elif kind == "comment-line":  # a data line, then a comment that looks like one
+            j = json.dumps(obj).encode()
+            line = b"data: " + j + b"\n:data: " + j + b"\n\n"
         elif kind == "comment":
             line = b": keep-alive\n\n"
         elif kind == "other-field":
@@ -335,13 +338,14 @@ def test_a_read_it_declines_changes_nothing() -> None:
     for k in ("finish-stop", "logprobs", "error", "object-error", "done", "garbage", "no-meta",
               "bad-utf8-skipped", "comment", "other-field", "multiline", "crlf", "nospace",
               "cr-in-json", "lf-in-json", "cr-only", "error-full", "object-error-full",
-              "multiline-blank-first", "no-text", "field-6"):
+              "multiline-blank-first", "no-text", "field-6", "comment-line"):
         raw = stream_bytes([(k, "b", 1)], True, bom=False)[0]
         assert lane.express.relay(raw) is None, k
         assert lane.state() == before, k
     assert lane.express.relay(b"data: " + json.dumps(_payload("a", 2)).encode()) is None  # no LF
     assert lane.express.relay(b"data: {}\n\ndata: {}\n\n") is None  # two events
     assert lane.express.relay(_common()[:-1] + b":") is None  # a next line begins
+    assert lane.express.relay(b"") is None and lane.express.relay(b"\n") is None
     assert lane.state() == before
 
 
@@ -358,6 +362,24 @@ def _finished_reader(lane: Lane) -> None:
     fin = _payload("", 2)
     fin["meta_info"]["finish_reason"] = {"type": "length", "length": 2}
     lane.reader.feed(json.dumps(fin))  # the reader only (the shaper is not told)
+
+
+def test_a_burst_of_common_events_is_taken_whole_or_not_at_all() -> None:
+    """Several tokens in one read (a relay that fell behind) are taken together; a burst with
+    one event the lane does not take (here the finish) goes to the general path whole."""
+    lane, general = Lane("chat", True, express=True), Lane("chat", True, express=False)
+    first = _common(1)
+    for x in (lane, general):
+        x.feed(first)
+    burst = _common(2) + _common(3) + _common(4)
+    assert lane.feed(burst) == general.feed(burst) and lane.taken == 1
+    assert lane.state() == general.state()
+    fin = stream_bytes([("token", "a", 5), ("finish-stop", "b", 1)], True, bom=False)
+    before = lane.state()
+    assert lane.express is not None and lane.express.relay(b"".join(fin)) is None
+    assert lane.state() == before
+    assert lane.feed(b"".join(fin)) == general.feed(b"".join(fin))
+    assert lane.state() == general.state()
 
 
 def test_it_declines_before_the_stream_started() -> None:

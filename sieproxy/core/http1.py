@@ -76,10 +76,20 @@ class ResponseParser:
 
     # ------------------------------------------------------------------ input
     def feed(self, data: bytes) -> bytes:
+        state = self._state
+        if state == _SIZE and not self._buf and self.max_body is None:
+            # Fast path (nearly every read of a token stream): exactly one whole chunk whose
+            # size line is hex digits only. Anything else takes the state machine below.
+            eol = data.find(_CRLF, 0, 17)
+            if eol > 0:
+                size_field = data[:eol]
+                if not size_field.strip(_HEX):
+                    end = eol + 2 + int(size_field, 16)
+                    if end > eol + 2 and len(data) == end + 2 and data.endswith(_CRLF):
+                        return data[eol + 2 : end]
         if self._buf:
             data = self._buf + data
             self._buf = b""
-        state = self._state
         if state == _HEAD:
             data = self._head(data)
             state = self._state
@@ -198,14 +208,6 @@ class ResponseParser:
     def _chunked(self, data: bytes) -> bytes:
         n = len(data)
         state = self._state
-        if state == _SIZE:
-            # Fast path (nearly every read of a token stream): exactly one whole chunk.
-            eol = data.find(_CRLF, 0, _MAX_LINE + 1)
-            if eol > 0:
-                size = _chunk_size(data, 0, eol)
-                end = eol + 2 + size
-                if size and n == end + 2 and data[end:] == _CRLF:
-                    return data[eol + 2 : end]
         out: list[bytes] = []
         pos = 0
         while pos < n:

@@ -223,6 +223,20 @@ def test_limits() -> None:
         run([HEAD_CHUNKED + b"0\r\n" + b"t" * 2000])
 
 
+def test_one_chunk_reads_take_the_state_machines_rules() -> None:
+    """Reads of exactly one chunk (a token stream's every read, the parser's fast path) follow
+    the same rules as any other split: the CRLF after the data, a size line split across
+    reads, the body limit."""
+    with pytest.raises(FramingError, match="not followed by CRLF"):
+        run([HEAD_CHUNKED, b"2\r\nabXY", b"0\r\n\r\n"])
+    # "1" | "5\r\nabcde\r\n" looks like a whole chunk of 5 on its own; it is the start of 0x15.
+    data = b"abcde\r\n" + b"f" * 14
+    _, body = run([HEAD_CHUNKED, b"1", b"5\r\nabcde\r\n", data[7:] + b"\r\n0\r\n\r\n"])
+    assert body == data
+    with pytest.raises(FramingError, match="larger than"):
+        run([HEAD_CHUNKED, b"6\r\naaaaaa\r\n", b"6\r\nbbbbbb\r\n"], max_body=10)
+
+
 def test_request_head() -> None:
     head = request_head("POST", "/prefix/generate", "engine:30000", 17)
     assert head == (

@@ -110,6 +110,33 @@ _TRANSITIONS: dict[tuple[ChoicePhase, ChoiceEvent], ChoicePhase] = {
 class ChoiceStateError(InternalError):
     """An event arrived that the choice's state does not allow (a gateway bug)."""
 
+    __slots__ = (
+        "_calls",
+        "_content",
+        "_hiding",
+        "_pending",
+        "_reasoning",
+        "_reasoning_text",
+        "_stop",
+        "_tools",
+        "cached_tokens",
+        "collect",
+        "completion_tokens",
+        "cumulative_logprob",
+        "engine_reason",
+        "finish_reason",
+        "include_reasoning",
+        "index",
+        "logprobs",
+        "phase",
+        "plain",
+        "prompt_tokens",
+        "reasoning_tokens",
+        "saw_tool_call",
+        "stop_matched",
+        "want_logprobs",
+    )
+
 
 @dataclass(slots=True)
 class CompleteToolCall:

@@ -37,6 +37,17 @@ def frame(payload: bytes) -> bytes:
 class SSEDecoder:
     """Incremental, sans-IO SSE decoder: bytes in, event ``data`` payloads out."""
 
+    __slots__ = (
+        "_broken",
+        "_buf",
+        "_data",
+        "_data_size",
+        "_first_line",
+        "_skip_lf",
+        "discarded",
+        "max_line",
+    )
+
     def __init__(self, max_line: int = 1 << 20) -> None:
         self.max_line = max_line
         self._buf = bytearray()

@@ -186,6 +186,17 @@ def _logprobs(meta: _Meta, seen: int, incremental: bool) -> list[TokenLogprob]:
 class GenerateReader:
     """Reads one candidate's ``/generate`` SSE payloads (see the module docstring)."""
 
+    __slots__ = (
+        "_crc",
+        "_emitted",
+        "_finished",
+        "_lp_seen",
+        "_prompt_tokens",
+        "_tokens",
+        "done",
+        "incremental",
+    )
+
     def __init__(self, incremental: bool = False) -> None:
         self.incremental = incremental
         self._emitted = 0  # characters of text emitted

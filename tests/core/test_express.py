@@ -88,12 +88,17 @@ class Lane:
         c = self.shaper.choices[0]
         return {
             "decoder": {k: (bytes(v) if isinstance(v, bytearray) else v)
-                        for k, v in vars(self.decoder).items()},
-            "reader": dict(vars(self.reader)),
+                        for k, v in _fields(self.decoder).items()},
+            "reader": _fields(self.reader),
             "choice": (c.phase, c.completion_tokens, c.prompt_tokens, c.finish_reason,
                        list(c._pending)),
             "shaper": self.shaper.phase,
         }
+
+
+def _fields(obj: object) -> dict[str, Any]:
+    """Every attribute of a slotted object."""
+    return {k: getattr(obj, k) for k in type(obj).__slots__}  # type: ignore[attr-defined]
 
 
 def _err(e: Any) -> Any:

@@ -238,6 +238,39 @@ class WaitTimer:
 class GenerationBody:
     """The response body of one generation request (see the module docstring)."""
 
+    __slots__ = (
+        "_aborted",
+        "_bodies",
+        "_causes",
+        "_client",
+        "_deadline",
+        "_deferred",
+        "_done",
+        "_g",
+        "_handled_any",
+        "_held",
+        "_hints",
+        "_il",
+        "_k",
+        "_losers",
+        "_now",
+        "_nursery",
+        "_nursery_cm",
+        "_on_done",
+        "_pool",
+        "_pump",
+        "_recv",
+        "_scopes",
+        "_shaper",
+        "_terminal",
+        "_timer",
+        "entered",
+        "replica",
+        "stats",
+        "streaming",
+        "writing_since",
+    )
+
     def __init__(
         self,
         *,

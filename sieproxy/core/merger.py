@@ -231,6 +231,8 @@ _STREAM_TRANSITIONS: dict[tuple[StreamPhase, _Ev], StreamPhase] = {
 class _StreamBase:
     """Envelope prefix, state table, choice lookup, error and end framing."""
 
+    __slots__ = ("_affixes", "_head", "_tail", "choices", "include_usage", "phase")
+
     _object: str = ""
 
     def __init__(self, *, response_id: str, model: str, created: int, include_usage: bool) -> None:
@@ -343,6 +345,8 @@ class _StreamBase:
 class ChatStream(_StreamBase):
     """A streaming ``chat.completion.chunk`` response (see the module docstring)."""
 
+    __slots__ = ()
+
     _object = "chat.completion.chunk"
 
     def __init__(
@@ -422,6 +426,8 @@ class ChatStream(_StreamBase):
 
 class CompletionStream(_StreamBase):
     """A streaming legacy ``text_completion`` response (one choice, no role chunk, no usage)."""
+
+    __slots__ = ()
 
     _object = "text_completion"
 

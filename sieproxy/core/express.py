@@ -163,18 +163,23 @@ class Express:
     def _burst(self, data: bytes) -> bytes | None:
         """Two or more whole events in one read, each through ``relay``: all of them, or none
         (what ``relay`` moved for the first ones is put back when a later one is declined)."""
-        events = data.split(b"\n\n")
-        if len(events) < 3 or events.pop():  # not whole events, each ended by a blank line
+        end = data.find(b"\n\n")
+        if end < 0 or end + 2 == len(data):  # not a burst (relay declined this one event)
             return None
         reader, choice = self._reader, self._choice
         saved = (reader._emitted, reader._crc, reader._tokens, reader._prompt_tokens,
                  choice.completion_tokens)  # fmt: skip
         frames = []
-        for event in events:
-            frame = self.relay(event + b"\n\n")  # (an event of two lines: declined there)
+        start = 0
+        while end >= 0:
+            frame = self.relay(data[start : end + 2])  # (an event of two lines: declined)
             if frame is None:
-                (reader._emitted, reader._crc, reader._tokens, reader._prompt_tokens,
-                 choice.completion_tokens) = saved  # fmt: skip
-                return None
+                break
             frames.append(frame)
-        return b"".join(frames)
+            start = end + 2
+            if start == len(data):
+                return b"".join(frames)
+            end = data.find(b"\n\n", start)
+        (reader._emitted, reader._crc, reader._tokens, reader._prompt_tokens,
+         choice.completion_tokens) = saved  # fmt: skip
+        return None

@@ -79,14 +79,17 @@ class ResponseParser:
         state = self._state
         if state == _SIZE and not self._buf and self.max_body is None:
             # Fast path (nearly every read of a token stream): exactly one whole chunk whose
-            # size line is hex digits only. Anything else takes the state machine below.
+            # size line is hex digits only; several such chunks (a relay that fell behind
+            # reads them in bursts) in one loop. Anything else takes the state machine below.
             eol = data.find(_CRLF, 0, 17)
             if eol > 0:
                 size_field = data[:eol]
                 if not size_field.strip(_HEX):
                     end = eol + 2 + int(size_field, 16)
-                    if end > eol + 2 and len(data) == end + 2 and data.endswith(_CRLF):
-                        return data[eol + 2 : end]
+                    if end > eol + 2 and data.startswith(_CRLF, end):
+                        if len(data) == end + 2:
+                            return data[eol + 2 : end]
+                        return self._whole_chunks(data)
         if self._buf:
             data = self._buf + data
             self._buf = b""
@@ -204,6 +207,28 @@ class ResponseParser:
         elif eol - pos > _MAX_LINE:
             raise FramingError(f"{what} too long")
         return eol
+
+    def _whole_chunks(self, data: bytes) -> bytes:
+        """``feed``'s fast path for a read that starts with two or more whole chunks: each
+        chunk with a plain size line is sliced out in one loop; the state machine takes the
+        rest from the first thing that is not one (the parser is at a chunk's start there)."""
+        parts = []
+        pos, n = 0, len(data)
+        while pos < n:
+            eol = data.find(_CRLF, pos, pos + 17)
+            if eol <= pos:
+                break
+            size_field = data[pos:eol]
+            if size_field.strip(_HEX):
+                break
+            end = eol + 2 + int(size_field, 16)
+            if end == eol + 2 or end + 2 > n or not data.startswith(_CRLF, end):
+                break
+            parts.append(data[eol + 2 : end])
+            pos = end + 2
+        if pos < n:
+            parts.append(self._chunked(data[pos:]))
+        return b"".join(parts)
 
     def _chunked(self, data: bytes) -> bytes:
         n = len(data)

@@ -49,6 +49,14 @@ GOOD: list[tuple[str, bytes, int, bytes, bool, bool]] = [
         True,
         True,
     ),
+    (  # a plain first chunk, an extension on the next (the fast path hands over there)
+        "chunked-ext-on-second",
+        HEAD_CHUNKED + b"2\r\nxy\r\n1;a=b\r\nz\r\n0\r\n\r\n",
+        200,
+        b"xyz",
+        True,
+        True,
+    ),
     (
         "chunked-upper-hex",
         HEAD_CHUNKED + b"A\r\n0123456789\r\n0\r\n\r\n",
@@ -126,6 +134,8 @@ BAD: list[tuple[str, bytes]] = [
     ("inner-blank-chunk-size", HEAD_CHUNKED + b"1 0\r\n" + b"a" * 16 + b"\r\n0\r\n\r\n"),
     ("huge-chunk-size", HEAD_CHUNKED + b"1" * 17 + b"\r\n"),
     ("no-crlf-after-data", HEAD_CHUNKED + b"2\r\nabXY0\r\n\r\n"),
+    ("no-crlf-after-second", HEAD_CHUNKED + b"2\r\nab\r\n2\r\ncdXY0\r\n\r\n"),
+    ("empty-size-line-after-chunk", HEAD_CHUNKED + b"2\r\nab\r\n\r\n0\r\n\r\n"),
     ("long-size-line", HEAD_CHUNKED + b"2;" + b"x" * 2000 + b"\r\nab\r\n0\r\n\r\n"),
 ]
 

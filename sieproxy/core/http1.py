@@ -21,6 +21,9 @@ __all__ = ["FramingError", "ResponseParser", "request_head"]
 _CRLF = b"\r\n"
 _MAX_LINE = 1024  # chunk-size line (with extensions) or one trailer line
 _HEX = b"0123456789abcdefABCDEF"
+# How far the fast path looks for a size line's CRLF: up to 15 hex digits (longer lines,
+# leading zeros or extensions, take the state machine).
+_FAST_LINE = 17
 
 
 class FramingError(ValueError):
@@ -81,7 +84,7 @@ class ResponseParser:
             # Fast path (nearly every read of a token stream): exactly one whole chunk whose
             # size line is hex digits only; several such chunks (a relay that fell behind
             # reads them in bursts) in one loop. Anything else takes the state machine below.
-            eol = data.find(_CRLF, 0, 17)
+            eol = data.find(_CRLF, 0, _FAST_LINE)
             if eol > 0:
                 size_field = data[:eol]
                 if not size_field.strip(_HEX):
@@ -89,7 +92,7 @@ class ResponseParser:
                     if end > eol + 2 and data.startswith(_CRLF, end):
                         if len(data) == end + 2:
                             return data[eol + 2 : end]
-                        return self._whole_chunks(data)
+                        return self._whole_chunks(data, end + 2, [data[eol + 2 : end]])
         if self._buf:
             data = self._buf + data
             self._buf = b""
@@ -208,14 +211,14 @@ class ResponseParser:
             raise FramingError(f"{what} too long")
         return eol
 
-    def _whole_chunks(self, data: bytes) -> bytes:
-        """``feed``'s fast path for a read that starts with two or more whole chunks: each
-        chunk with a plain size line is sliced out in one loop; the state machine takes the
-        rest from the first thing that is not one (the parser is at a chunk's start there)."""
-        parts = []
-        pos, n = 0, len(data)
+    def _whole_chunks(self, data: bytes, pos: int, parts: list[bytes]) -> bytes:
+        """``feed``'s fast path for a read that starts with two or more whole chunks, after
+        the first (``parts``, ending at ``pos``): each chunk with a plain size line is sliced
+        out in one loop; the state machine takes the rest from the first thing that is not
+        one (the parser is at a chunk's start there)."""
+        n = len(data)
         while pos < n:
-            eol = data.find(_CRLF, pos, pos + 17)
+            eol = data.find(_CRLF, pos, pos + _FAST_LINE)
             if eol <= pos:
                 break
             size_field = data[pos:eol]

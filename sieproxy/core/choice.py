@@ -228,6 +228,7 @@ class ChoiceState:
             self._to(ChoiceEvent.DELTA)
         if delta.completion_tokens > self.completion_tokens:
             self.completion_tokens = delta.completion_tokens
+        self.prompt_tokens = delta.prompt_tokens  # (the finish's, once it comes)
         if self.phase is ChoicePhase.STOPPED:
             return ChoiceDelta()
         for lp in delta.logprobs:

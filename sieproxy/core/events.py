@@ -57,6 +57,9 @@ class CandidateDelta(Struct, gc=False):
     text: str
     completion_tokens: int  # cumulative count reported by the engine
     logprobs: list[TokenLogprob] = []
+    #: The prompt's tokens as the engine reported them with this output (0: not reported), so
+    #: a candidate that never finishes (its client left, an error) still counts its prompt.
+    prompt_tokens: int = 0
 
 
 class CandidateFinish(Struct, gc=False):

@@ -92,7 +92,7 @@ class Express:
         State it reads: ``SSEDecoder``'s buffers and flags (as its fast path checks them),
         ``GenerateReader.done`` / ``finished`` / ``incremental``, the stream's and the choice's
         phase. State it moves, as ``GenerateReader.feed`` and ``ChoiceState.feed`` move it:
-        the reader's emitted length, CRC and token counts, the choice's completion tokens
+        the reader's emitted length, CRC and token counts, the choice's token counts
         (``_burst`` puts them back)."""
         d = self._decoder
         reader = self._reader
@@ -147,12 +147,15 @@ class Express:
             text = text[reader._emitted :]
             reader._emitted += len(text)
         tokens = meta.completion_tokens
+        if text or tokens != reader._tokens:
+            # The reader's delta, through ChoiceState.feed's plain case (a read with no delta
+            # leaves the choice as it is).
+            choice.prompt_tokens = meta.prompt_tokens
+            if tokens > choice.completion_tokens:
+                choice.completion_tokens = tokens
         reader._tokens = tokens
         reader._prompt_tokens = meta.prompt_tokens
-        # ChoiceState.feed's plain case (a read with no delta leaves the choice as it is: its
-        # count is already the reader's), then the shaper's frame of a token of text.
-        if tokens > choice.completion_tokens:
-            choice.completion_tokens = tokens
+        # Then the shaper's frame of a token of text.
         if not text:
             return b""
         affixes = self._affixes
@@ -168,7 +171,7 @@ class Express:
             return None
         reader, choice = self._reader, self._choice
         saved = (reader._emitted, reader._crc, reader._tokens, reader._prompt_tokens,
-                 choice.completion_tokens)  # fmt: skip
+                 choice.completion_tokens, choice.prompt_tokens)  # fmt: skip
         frames = []
         start = 0
         while end >= 0:
@@ -181,5 +184,5 @@ class Express:
                 return b"".join(frames)
             end = data.find(b"\n\n", start)
         (reader._emitted, reader._crc, reader._tokens, reader._prompt_tokens,
-         choice.completion_tokens) = saved  # fmt: skip
+         choice.completion_tokens, choice.prompt_tokens) = saved  # fmt: skip
         return None

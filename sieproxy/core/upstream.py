@@ -240,7 +240,7 @@ class GenerateReader:
             self._lp_seen += len(logprobs)
         delta: CandidateDelta | None = None
         if new_text or logprobs or meta.completion_tokens != self._tokens:
-            delta = CandidateDelta(new_text, meta.completion_tokens, logprobs)
+            delta = CandidateDelta(new_text, meta.completion_tokens, logprobs, meta.prompt_tokens)
         self._tokens = meta.completion_tokens
         self._prompt_tokens = meta.prompt_tokens
         return delta, finish
@@ -275,4 +275,5 @@ def parse_generate_response(body: bytes) -> tuple[CandidateDelta, CandidateFinis
     finish = _finish(meta)
     if finish is None:
         raise EngineMalformed()
-    return CandidateDelta(text, meta.completion_tokens, _logprobs(meta, 0, False)), finish
+    logprobs = _logprobs(meta, 0, False)
+    return CandidateDelta(text, meta.completion_tokens, logprobs, meta.prompt_tokens), finish

@@ -31,6 +31,16 @@ def fin(reason: str = "stop", n: int = 0) -> CandidateFinish:
     return CandidateFinish(reason, None, 7, n, 1, 0)
 
 
+def test_prompt_tokens_are_counted_before_the_finish() -> None:
+    """A choice that never finishes (its client left) reports the prompt its deltas carried;
+    the finish's count is the last word."""
+    c = ChoiceState(0)
+    c.feed(CandidateDelta("a", 1, [], prompt_tokens=11))
+    assert c.prompt_tokens == 11 and c.completion_tokens == 1
+    c.finish(fin("stop", 1))
+    assert c.prompt_tokens == 7
+
+
 def test_plain_text_and_accounting() -> None:
     c = ChoiceState(0, logprobs=True)
     out = c.feed(d("Hel", 1, [tok(1, -0.25)]))

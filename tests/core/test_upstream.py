@@ -172,9 +172,19 @@ def test_cumulative_shorter_text_emits_nothing() -> None:
     d, _ = r.feed(chunk("abc", completion_tokens=1))
     assert d is not None and d.text == "abc"
     d, _ = r.feed(chunk("ab", completion_tokens=2))
-    assert d == CandidateDelta("", 2, [])
+    assert d == CandidateDelta("", 2, [], prompt_tokens=5)  # (meta()'s prompt)
     d, _ = r.feed(chunk("abcd", completion_tokens=3))
     assert d is not None and d.text == "d"
+
+
+def test_deltas_carry_the_prompt_tokens() -> None:
+    """Every delta says how many prompt tokens the engine reported with it, so a candidate
+    that never finishes (its client left) still counts its prompt."""
+    r = GenerateReader(incremental=True)
+    d, _ = r.feed(chunk("a", completion_tokens=1, prompt_tokens=9))
+    assert d is not None and d.prompt_tokens == 9
+    d, _ = r.feed(chunk("b", completion_tokens=2, prompt_tokens=9))
+    assert d is not None and d.prompt_tokens == 9
 
 
 def test_no_delta_when_nothing_changed() -> None:
@@ -388,7 +398,7 @@ def test_parse_generate_response() -> None:
         }
     ).encode()
     d, f = parse_generate_response(body)
-    assert d.text == "Hi there" and d.completion_tokens == 2
+    assert d.text == "Hi there" and d.completion_tokens == 2 and d.prompt_tokens == 5
     assert [t.token_id for t in d.logprobs] == [100, 101]
     assert f.reason == "stop" and f.matched == "###" and f.prompt_tokens == 5
 

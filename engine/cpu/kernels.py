@@ -16,7 +16,8 @@ a row's result does not depend on what else shares its batch (a step with a pref
 on MKL, whose results are not bit-identical to these).
 
 The C++ source is built with ``torch.utils.cpp_extension.load_inline`` (needs a C++ compiler
-and ninja; the build is cached under ``~/.cache/torch_extensions``). Without AVX2/FMA, without a
+and ninja; the build is cached under ``~/.cache/torch_extensions``, one build per torch
+installation: see :func:`extension_name`). Without AVX2/FMA, without a
 compiler, or with ``SIEPROXY_ENGINE_KERNELS=0``, :func:`load_kernels` returns ``None`` and the
 model uses torch ops everywhere.
 
@@ -28,6 +29,7 @@ more than all the attention arithmetic). Softmax uses an AVX2 polynomial ``exp``
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -443,6 +445,16 @@ _loaded = False
 _kernels: Kernels | None = None
 
 
+def extension_name(torch_dir: str | None = None) -> str:
+    """The extension's name, and so its build directory, for the torch installed at
+    ``torch_dir`` (this process's by default). torch keys a cached build by its name, and a
+    build's command lines hold the installation's include paths: two virtual environments
+    (tox's test and serve) sharing one name would each rebuild it (about a minute) every time
+    the other had built it last."""
+    where = os.path.realpath(torch_dir or os.path.dirname(torch.__file__))
+    return "sieproxy_cpu_kernels_" + hashlib.sha256(where.encode()).hexdigest()[:12]
+
+
 def load_kernels() -> Kernels | None:
     """The compiled kernels, or None if unavailable (see the module docstring).
 
@@ -466,7 +478,7 @@ def load_kernels() -> Kernels | None:
             from torch.utils.cpp_extension import load_inline
 
             module = load_inline(  # type: ignore[no-untyped-call]
-                name="sieproxy_cpu_kernels",
+                name=extension_name(),
                 cpp_sources=_SOURCE,
                 functions=names,
                 extra_cflags=["-O3", "-mavx2", "-mfma"],

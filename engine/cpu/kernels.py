@@ -17,9 +17,9 @@ on MKL, whose results are not bit-identical to these).
 
 The C++ source is built with ``torch.utils.cpp_extension.load_inline`` (needs a C++ compiler
 and ninja; the build is cached under ``~/.cache/torch_extensions``, one build per torch
-installation: see :func:`extension_name`). Without AVX2/FMA, without a
-compiler, or with ``SIEPROXY_ENGINE_KERNELS=0``, :func:`load_kernels` returns ``None`` and the
-model uses torch ops everywhere.
+installation: see :func:`extension_name`). Without AVX2/FMA, without a compiler, or with
+``SIEPROXY_ENGINE_KERNELS=0``, :func:`load_kernels` returns ``None`` and the model uses torch
+ops everywhere.
 
 ``decode_attention``: one query token per sequence against its own cached length, straight from
 the KV pool — no padding to the longest sequence, no mask, no per-layer batched-matmul

@@ -21,11 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from bench import report as R
 from bench import targets as T
@@ -116,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="git revisions whose builds are counted beside this tree's")
     tp.add_argument("--tokens", type=_csv(int), default=[2000, 10000],
                     help="the two token counts whose difference is divided (default 2000,10000)")
+    tp.add_argument("--streams", type=_csv(int), default=[],
+                    help="instead of counting instructions, time the step with the tokens "
+                    "dealt over each of these numbers of streams (the first is the baseline)")
+    tp.add_argument("--stream-tokens", type=int, default=200_000,
+                    help="--streams: tokens per timed run (default 200,000: about a second)")
+    tp.add_argument("--rounds", type=int, default=3,
+                    help="--streams: rounds of one timed run per number of streams (default 3)")
     tp.add_argument("--no-results", action="store_true", help="do not touch bench/RESULTS.md")
     return p
 
@@ -145,7 +153,10 @@ def _order(targets: list[str]) -> list[str]:
     return order + [t for t in targets if t not in order]
 
 
-def _rotate(xs: list[str], k: int) -> list[str]:
+_T = TypeVar("_T")
+
+
+def _rotate(xs: list[_T], k: int) -> list[_T]:
     k %= max(1, len(xs))
     return xs[k:] + xs[:k]
 
@@ -761,11 +772,15 @@ def cmd_workers(a: argparse.Namespace) -> None:
 
 
 def cmd_token_path(a: argparse.Namespace) -> None:
-    """bench/token_path.py under callgrind, for this tree and each ``--against`` revision."""
+    """bench/token_path.py under callgrind, for this tree and each ``--against`` revision
+    (with ``--streams``, timed over interleaved streams instead: ``_token_path_streams``)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from bench import token_path as TP
 
+    if a.streams:
+        _token_path_streams(a)
+        return
     lo, hi = min(a.tokens), max(a.tokens)
     if hi <= lo:
         raise SystemExit("--tokens needs two different counts")
@@ -795,6 +810,49 @@ def cmd_token_path(a: argparse.Namespace) -> None:
         *rows,
     ])
     _finish(a, "token_path", md, [], path)
+
+
+def _token_path_streams(a: argparse.Namespace) -> None:
+    """The relay step timed with its tokens dealt over each number of ``--streams``, one
+    process per run, the numbers alternating within each round; per round, each number's time
+    per token ÷ the first number's."""
+    from bench import token_path as TP
+
+    if a.against:
+        raise SystemExit("--streams times this tree only (no --against)")
+    tokens = a.stream_tokens
+    cfg = T.sieproxy_config(9, 9, tempfile.mkdtemp(prefix="bench-token-path-"))
+    base = a.streams[0]
+    runs: list[dict[str, Any]] = []
+    for r in range(a.rounds):
+        for n in _rotate(a.streams, r):
+            PROGRESS.note(f"round {r + 1}/{a.rounds}: {tokens:,} tokens over {n:,} streams")
+            runs.append({"round": r, "streams": n, "tokens": tokens,
+                         "us_per_token": TP.interleaved(tokens, cfg, n)})
+    per = {(x["round"], x["streams"]): x["us_per_token"] for x in runs}
+    rows = [f"| streams | µs per token (median) | ÷ {base:,} stream{'s' * (base != 1)} "
+            "(median of rounds' ratios) | rounds' ratios |", "|---|---|---|---|"]
+    table = {}
+    for n in a.streams:
+        ratios = [per[(r, n)] / per[(r, base)] for r in range(a.rounds)]
+        table[n] = {"us_per_token": statistics.median(per[(r, n)] for r in range(a.rounds)),
+                    "ratio": statistics.median(ratios)}
+        spread = ", ".join(f"{x:.2f}" for x in ratios)
+        rows.append(f"| {n:,} | {table[n]['us_per_token']:.2f} | {table[n]['ratio']:.2f} | "
+                    f"{spread} |")
+    meta = {**_run_meta(), "tokens": tokens, "streams": a.streams, "rounds": a.rounds}
+    path = _save("token-path-streams", meta, runs, extra={str(n): v for n, v in table.items()})
+    md = "\n".join([
+        *_intro("token-path-streams", meta, "timed: only the ratios within a round compare"),
+        f"Each run relays {tokens:,} tokens of streamed chats through `GenerationBody.ride()` "
+        "(bench/token_path.py, the step whose instructions `token-path` counts: the same "
+        "code for every number of streams), token *i* to stream *i* mod *streams*, in a "
+        "process of its own. So what changes with the number of streams is only how many "
+        "streams' objects the loop touches in turn: each token its own stream's, which the "
+        "other streams' tokens have pushed out of the processor's caches since.", "",
+        *rows,
+    ])
+    _finish(a, "token_path_streams", md, [], path)
 
 
 def main(argv: list[str] | None = None) -> int:

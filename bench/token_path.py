@@ -17,10 +17,18 @@ instructions executed: the same count for the same build whatever else the machi
 so two builds can be compared to a fraction of a percent where a timed run on this machine
 cannot resolve 5 % (docs/BENCH-METHOD.md). Two token counts are run per build and the
 difference divided by the difference in tokens, so start-up and imports cancel out.
+
+``python -m bench token-path --streams 1,256,1000`` times the same step instead, with the
+tokens dealt in turn to that many streams (``python bench/token_path.py TOKENS CONFIG
+STREAMS``, one process per run): the instructions are the same whatever the number of streams,
+but each token touches its own stream's objects, which the other streams' tokens have pushed
+out of the processor's caches since. Each number of streams is measured against the first in
+the same round, as every timed figure of the bench is.
 """
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import math
@@ -28,6 +36,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -95,20 +104,20 @@ class _Stream:
     closed = False
 
 
-async def relay(tokens: int, config: str) -> dict[str, Any]:
-    """Relay ``tokens`` tokens through ``ride()`` (in a Trio run, as the pump does), with the
-    gateway configured by the file ``config``; what the client got."""
-    state = build_state(load_settings(config))
+def _stream(state: Any, k: int) -> tuple[GenerationBody, _Client]:
+    """Stream ``k``: a streamed chat's response body, primed and carried by the pump (as the
+    route leaves it), reading ``_Engine``'s chunks and writing to its own ``_Client``."""
     raw = json.dumps(
         {"model": "bench-model", "stream": True, "max_tokens": 1 << 20,
-         "messages": [{"role": "user", "content": "Tell me a long story #1."}]}
+         "messages": [{"role": "user", "content": f"Tell me a long story #{k + 1}."}]}
     ).encode()
-    plan = build_chat(raw, state.profiles, request_id="r", created=1)
+    rid = "r" if k == 0 else f"r{k}"
+    plan = build_chat(raw, state.profiles, request_id=rid, created=1)
     body = GenerationBody(
         g=state.settings.gateway, client=state.client, pool=state.pools[plan.model],
         replica=Replica(url="http://engine", ready=True, incremental=True), hints=RouteHints(),
         bodies=plan.bodies, shaper=plan.shaper, streaming=True,
-        stats=RequestStats(request_id="r", model=plan.model, endpoint="chat", n=1, stream=True),
+        stats=RequestStats(request_id=rid, model=plan.model, endpoint="chat", n=1, stream=True),
         pump=state.pump,
     )
     body._now = trio.lowlevel.current_clock().current_time  # as __aenter__ sets it
@@ -126,11 +135,44 @@ async def relay(tokens: int, config: str) -> dict[str, Any]:
     il.reader = GenerateReader(incremental=True)
     il.decoder = SSEDecoder(state.settings.gateway.max_sse_line_bytes)
     body.carry(out)  # the response head is out: the pump may relay (as the route does)
-    for _ in range(tokens):
-        if not body.ride():
-            raise SystemExit(f"the relay handed the stream back: {il.stash!r}")
-    return {"tokens": tokens, "writes": client.writes, "bytes": client.bytes,
-            "last": client.last.decode()}
+    return body, client
+
+
+async def relay(
+    tokens: int, config: str, streams: int = 1, freeze: bool = False
+) -> dict[str, Any]:
+    """Relay ``tokens`` tokens through ``ride()`` (in a Trio run, as the pump does), with the
+    gateway configured by the file ``config``; what the clients got. With ``streams`` > 1 the
+    tokens go to that many streams in turn (token ``i`` to stream ``i % streams``), as the
+    pump relays interleaved streams. ``freeze``: the objects made before the loop are frozen
+    out of the garbage collector's scans (as ``serve.tune_gc`` freezes the app's), so that
+    between timed runs only the number of streams differs. ``seconds``: the loop's wall
+    time."""
+    state = build_state(load_settings(config))
+    made = [_stream(state, k) for k in range(streams)]
+    if freeze:
+        gc.collect()
+        gc.freeze()
+    rides = [body.ride for body, _ in made]
+    start = time.perf_counter()
+    if streams == 1 and not freeze:  # the loop the instruction counts were recorded with
+        ride = rides[0]
+        for _ in range(tokens):
+            if not ride():
+                _handed_back(made[0][0])
+    else:
+        for i in range(tokens):
+            if not rides[i % streams]():
+                _handed_back(made[i % streams][0])
+    seconds = time.perf_counter() - start
+    clients = [client for _, client in made]
+    last = clients[(tokens - 1) % streams].last
+    return {"tokens": tokens, "writes": sum(c.writes for c in clients),
+            "bytes": sum(c.bytes for c in clients), "last": last.decode(), "seconds": seconds}
+
+
+def _handed_back(body: GenerationBody) -> None:
+    raise SystemExit(f"the relay handed the stream back: {body._il.stash if body._il else None!r}")
 
 
 _COLLECTED = re.compile(rb"== Collected : (\d+)")
@@ -155,5 +197,23 @@ def instructions(tokens: int, config: str, tree: Path | None = None) -> int:
     return int(found.group(1))
 
 
+def interleaved(tokens: int, config: str, streams: int) -> float:
+    """Microseconds of wall time per token for ``tokens`` tokens relayed over ``streams``
+    interleaved streams, in a process of its own (timed, not counted: how the same Python
+    costs more as the streams whose objects it touches in turn grow in number)."""
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    run = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), str(tokens), config, str(streams)],
+        capture_output=True, env=env, cwd=ROOT, check=False, timeout=3600,
+    )
+    got = json.loads(run.stdout.decode().strip().splitlines()[-1]) if run.returncode == 0 else {}
+    if got.get("writes") != tokens:
+        raise RuntimeError(f"token-path run failed (exit {run.returncode}): "
+                           f"{run.stdout.decode()[-300:]} {run.stderr.decode()[-600:]}")
+    return float(got["seconds"]) / tokens * 1e6
+
+
 if __name__ == "__main__":
-    print(json.dumps(trio.run(relay, int(sys.argv[1]), sys.argv[2])))
+    # TOKENS CONFIG [STREAMS]: with STREAMS, the timed run of ``interleaved``.
+    n_streams = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    print(json.dumps(trio.run(relay, int(sys.argv[1]), sys.argv[2], n_streams, len(sys.argv) > 3)))

@@ -78,3 +78,45 @@ def test_a_run_that_does_not_relay_every_token_is_an_error(
     _fake_valgrind(tmp_path, per_token=1)
     with pytest.raises(RuntimeError, match="token-path run failed"):
         TP.instructions(5, str(tmp_path / "missing.toml"))
+
+
+def test_interleaved_streams_each_get_their_turn_of_the_tokens(tmp_path: Path) -> None:
+    got = trio.run(TP.relay, 301, _config(tmp_path), 3, True)
+    assert got["tokens"] == got["writes"] == 301 and got["seconds"] > 0
+    # Token 300 goes to stream 300 % 3 = 0 as that stream's 101st token (its engine's chunks
+    # cycle from 0): " tok100", in stream 0's own response (request id "r").
+    chunk = json.loads(got["last"].partition("\r\n")[2].removeprefix("data: ").split("\n")[0])
+    assert chunk["id"] == "chatcmpl-r"
+    assert chunk["choices"][0]["delta"] == {"content": " tok100"}
+    got = trio.run(TP.relay, 302, _config(tmp_path), 3, True)
+    chunk = json.loads(got["last"].partition("\r\n")[2].removeprefix("data: ").split("\n")[0])
+    assert chunk["id"] == "chatcmpl-r1"  # token 301: stream 1, its 101st token
+    assert chunk["choices"][0]["delta"] == {"content": " tok100"}
+
+
+def test_the_streams_command_times_each_number_against_the_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(bench_main.T, "OUT", tmp_path / "out")
+    calls: list[int] = []
+
+    def timed(tokens: int, config: str, streams: int) -> float:  # 2 µs per token per stream
+        calls.append(streams)
+        return 2.0 * streams
+
+    monkeypatch.setattr(TP, "interleaved", timed)
+    argv = ["token-path", "--streams", "1,4", "--stream-tokens", "50", "--rounds", "2",
+            "--no-results"]
+    monkeypatch.setattr(sys, "argv", ["bench", *argv])
+    assert bench_main.main(argv) == 0
+    assert calls == [1, 4, 4, 1]  # alternating, the order rotated each round
+    out = capsys.readouterr().out
+    assert "| 1 | 2.00 | 1.00 | 1.00, 1.00 |" in out
+    assert "| 4 | 8.00 | 4.00 | 4.00, 4.00 |" in out
+    saved = json.loads(next((tmp_path / "out").glob("*-token-path-streams.json")).read_text())
+    assert saved["extra"]["4"] == {"us_per_token": 8.0, "ratio": 4.0}
+    assert len(saved["runs"]) == 4
+
+
+def test_a_timed_run_reports_the_real_relay_step(tmp_path: Path) -> None:
+    assert 0 < TP.interleaved(40, _config(tmp_path), 2) < 10_000

@@ -153,17 +153,11 @@ async def relay(
     if freeze:
         gc.collect()
         gc.freeze()
-    rides = [body.ride for body, _ in made]
+    bodies = [body for body, _ in made]
     start = time.perf_counter()
-    if streams == 1 and not freeze:  # the loop the instruction counts were recorded with
-        ride = rides[0]
-        for _ in range(tokens):
-            if not ride():
-                _handed_back(made[0][0])
-    else:
-        for i in range(tokens):
-            if not rides[i % streams]():
-                _handed_back(made[i % streams][0])
+    for body in itertools.islice(itertools.cycle(bodies), tokens):
+        if not body.ride():
+            raise SystemExit(f"the relay handed the stream back: {body._il and body._il.stash!r}")
     seconds = time.perf_counter() - start
     clients = [client for _, client in made]
     last = clients[(tokens - 1) % streams].last
@@ -171,45 +165,42 @@ async def relay(
             "bytes": sum(c.bytes for c in clients), "last": last.decode(), "seconds": seconds}
 
 
-def _handed_back(body: GenerationBody) -> None:
-    raise SystemExit(f"the relay handed the stream back: {body._il.stash if body._il else None!r}")
-
-
 _COLLECTED = re.compile(rb"== Collected : (\d+)")
+
+
+def _run(tokens: int, config: str, extra: list[str], tree: Path | None = None,
+         counted: bool = False) -> tuple[dict[str, Any], int]:
+    """One run of this harness in a process of its own (``tree``: the build of that unpacked
+    revision instead of this tree's; ``counted``: under callgrind): its report, and the
+    instructions callgrind counted (0 if not ``counted``). Raises if it did not relay every
+    token."""
+    env = dict(os.environ, PYTHONHASHSEED="0")  # the same dict and set layouts every run
+    if tree is not None:
+        env["SIEPROXY_TREE"] = str(tree)
+    prefix = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"] if counted else []
+    run = subprocess.run(
+        [*prefix, sys.executable, str(Path(__file__).resolve()), str(tokens), config, *extra],
+        capture_output=True, env=env, cwd=tree or ROOT, check=False, timeout=3600,
+    )
+    got = json.loads(run.stdout.decode().strip().splitlines()[-1]) if run.returncode == 0 else {}
+    found = _COLLECTED.search(run.stderr)
+    if got.get("writes") != tokens or (counted and found is None):
+        raise RuntimeError(f"token-path run failed (exit {run.returncode}): "
+                           f"{run.stdout.decode()[-300:]} {run.stderr.decode()[-600:]}")
+    return got, int(found.group(1)) if counted and found is not None else 0
 
 
 def instructions(tokens: int, config: str, tree: Path | None = None) -> int:
     """The instructions ``valgrind --tool=callgrind`` counts for a whole run of this harness
     (``tree``: the build of that unpacked revision instead of this tree's)."""
-    env = dict(os.environ, PYTHONHASHSEED="0")  # the same dict and set layouts every run
-    if tree is not None:
-        env["SIEPROXY_TREE"] = str(tree)
-    run = subprocess.run(
-        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
-         str(Path(__file__).resolve()), str(tokens), config],
-        capture_output=True, env=env, cwd=tree or ROOT, check=False, timeout=3600,
-    )
-    got = json.loads(run.stdout.decode().strip().splitlines()[-1]) if run.returncode == 0 else {}
-    found = _COLLECTED.search(run.stderr)
-    if got.get("writes") != tokens or found is None:
-        raise RuntimeError(f"token-path run failed (exit {run.returncode}): "
-                           f"{run.stdout.decode()[-300:]} {run.stderr.decode()[-600:]}")
-    return int(found.group(1))
+    return _run(tokens, config, [], tree, counted=True)[1]
 
 
 def interleaved(tokens: int, config: str, streams: int) -> float:
     """Microseconds of wall time per token for ``tokens`` tokens relayed over ``streams``
     interleaved streams, in a process of its own (timed, not counted: how the same Python
     costs more as the streams whose objects it touches in turn grow in number)."""
-    env = dict(os.environ, PYTHONHASHSEED="0")
-    run = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), str(tokens), config, str(streams)],
-        capture_output=True, env=env, cwd=ROOT, check=False, timeout=3600,
-    )
-    got = json.loads(run.stdout.decode().strip().splitlines()[-1]) if run.returncode == 0 else {}
-    if got.get("writes") != tokens:
-        raise RuntimeError(f"token-path run failed (exit {run.returncode}): "
-                           f"{run.stdout.decode()[-300:]} {run.stderr.decode()[-600:]}")
+    got, _ = _run(tokens, config, [str(streams)])
     return float(got["seconds"]) / tokens * 1e6
 
 

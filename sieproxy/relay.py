@@ -50,7 +50,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import trio
 
@@ -723,11 +723,11 @@ class GenerationBody:
         string, or a client write that did not complete at once. What was read and not handled
         is left in ``stash`` for ``_inline_next``, so nothing is lost or handled twice."""
         il = self._il
-        assert il is not None and il.resp is not None and il.out is not None
-        reader, decoder = il.reader, il.decoder
-        assert reader is not None and decoder is not None
+        if TYPE_CHECKING:  # not run: ``resp`` was set before the task parked, ``out`` by carry
+            assert il is not None and il.resp is not None and il.out is not None
+        resp, out = il.resp, il.out
         try:
-            raw = il.resp.receive_nowait()
+            raw = resp.receive_nowait()
             if raw is None:
                 return True  # a part of a frame: wait for the rest
             now = self._now()
@@ -744,23 +744,33 @@ class GenerationBody:
                 else None
             )
             if frame is not None:
-                if frame and not il.out.write_nowait(frame):
+                if frame and not out.write_nowait(frame):
                     return False  # the rest of the frame: the task flushes it
-            elif not reader.done:  # past [DONE]: read the body to its end (connection reuse)
-                events, err = self._events(0, raw, decoder, reader)
-                if err is not None:
-                    il.stash = err
-                if events and not il.out.write_nowait(self._merge(events)):
-                    return False  # the rest of the frame: the task flushes it
-                if err is not None:
-                    return False
-            if il.resp.finished:  # the body ended in these bytes: no readiness will tell
+            elif not self._ride_general(raw):
+                return False
+            if resp.finished:  # the body ended in these bytes: no readiness will tell
                 il.stash = b""
                 return False
         except Exception as exc:  # raised in the response task, as if it had read the bytes
             il.stash = exc
             return False
         return self._causes[0] is None
+
+    def _ride_general(self, raw: bytes) -> bool:
+        """``ride``'s general path for a read the express lane did not take: False hands the
+        stream back (an error, kept in ``stash``; or a write that did not complete)."""
+        il = self._il
+        assert il is not None and il.out is not None
+        reader, decoder = il.reader, il.decoder
+        assert reader is not None and decoder is not None
+        if reader.done:  # past [DONE]: read the body to its end (connection reuse)
+            return True
+        events, err = self._events(0, raw, decoder, reader)
+        if err is not None:
+            il.stash = err
+        if events and not il.out.write_nowait(self._merge(events)):
+            return False  # the rest of the frame: the task flushes it
+        return err is None
 
     async def _flush(self, out: Outlet) -> None:
         """Send what the pump's last write left, before anything else is written."""

@@ -117,14 +117,17 @@ class Express:
             or 0x0D in data  # a CR ends a line too
         ):
             return None
-        if data.find(b"\n") != n - 2 or not data.startswith(b"data: "):
+        # One line and the blank line (its first LF is the last but one byte), and that line
+        # is ``data: `` and the payload. (``partition`` and ``removeprefix``, not ``find`` and
+        # ``startswith``, which parse their arguments the old way on CPython 3.11.)
+        line, _, tail = data.partition(b"\n")
+        payload = line.removeprefix(b"data: ")
+        if len(tail) != 1 or len(payload) == len(line):
             return self._burst(data)  # several events, or not the common case
         try:
             # ASCII needs no UTF-8 check; anything else is checked whole, as the SSE decoder
             # does (msgspec does not look inside the fields it skips).
-            chunk = decode_chunk(
-                memoryview(data)[6 : n - 2] if data.isascii() else data[6 : n - 2].decode()
-            )
+            chunk = decode_chunk(payload if payload.isascii() else payload.decode())
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
             return None  # the general path raises its own error for it
         text = chunk.text

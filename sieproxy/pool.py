@@ -94,6 +94,7 @@ class ModelPool:
         self.machine_profiles = frozenset(
             r.machine_profile for r in self.replicas if r.machine_profile
         )
+        self._label_pairs = frozenset((r.pool, r.machine_profile) for r in self.replicas)
 
     def set_engines(self, specs: Iterable[EngineSpec]) -> tuple[list[str], list[str]]:
         """Replace the replica list (a config reload); returns the URLs (added, removed).
@@ -134,7 +135,11 @@ class ModelPool:
         return self.gate_open and any(r.available(now) for r in self.replicas)
 
     def check_hints(self, h: RouteHints) -> None:
-        """A header value that no replica of the model carries is a 400 naming the header."""
+        """Header values that no replica of the model carries are a 400 naming the header.
+
+        This covers the two headers together: a pool and a machine profile that each exist but
+        never on one replica can never be served, so a retry (503) would be no answer.
+        """
         if h.pool is not None and h.pool not in self.pools:
             raise InvalidRequest(
                 f"No engine of model {self.model!r} is in pool {h.pool!r}.", param="X-SIE-Pool"
@@ -143,6 +148,17 @@ class ModelPool:
             raise InvalidRequest(
                 f"No engine of model {self.model!r} has machine profile {h.machine_profile!r}.",
                 param="X-SIE-MACHINE-PROFILE",
+            )
+        if (
+            h.pool is not None
+            and h.machine_profile is not None
+            and (h.pool, h.machine_profile) not in self._label_pairs
+        ):
+            raise InvalidRequest(
+                f"No engine of model {self.model!r} is both in pool {h.pool!r} (X-SIE-Pool) "
+                f"and of machine profile {h.machine_profile!r} (X-SIE-MACHINE-PROFILE); "
+                "drop one of the two headers or choose values one engine carries.",
+                param="X-SIE-Pool",
             )
 
     def record_success(self, r: Replica) -> None:

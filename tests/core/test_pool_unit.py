@@ -203,13 +203,40 @@ async def test_hint_filtering() -> None:
 
 async def test_check_hints_names_the_header() -> None:
     pool = make_pool(2)
-    pool.check_hints(RouteHints(pool="pool-1", machine_profile="p0"))
+    pool.check_hints(RouteHints(pool="pool-1", machine_profile="p1"))
     with pytest.raises(InvalidRequest) as e1:
         pool.check_hints(RouteHints(pool="nope"))
     assert e1.value.param == "X-SIE-Pool"
     with pytest.raises(InvalidRequest) as e2:
         pool.check_hints(RouteHints(machine_profile="nope"))
     assert e2.value.param == "X-SIE-MACHINE-PROFILE"
+
+
+async def test_pool_and_profile_that_never_meet_are_a_400_naming_both() -> None:
+    """pool-1 and p0 each exist (replicas 1 and 0) but never on one replica: a retry can never
+    succeed, so the answer is 400, not 503 model_loading."""
+    pool = make_pool(2)
+    with pytest.raises(InvalidRequest) as info:
+        pool.check_hints(RouteHints(pool="pool-1", machine_profile="p0"))
+    err = info.value
+    assert err.status == 400 and err.code == "invalid_request" and err.param == "X-SIE-Pool"
+    for word in ("X-SIE-Pool", "X-SIE-MACHINE-PROFILE", "'pool-1'", "'p0'"):
+        assert word in err.message
+    # A config reload that puts the two labels on one replica makes the pair servable.
+    pool.set_engines([EngineSpec(url="http://10.0.0.9:3000", pool="pool-1", machine_profile="p0")])
+    pool.check_hints(RouteHints(pool="pool-1", machine_profile="p0"))
+
+
+async def test_matching_replica_not_ready_is_still_503() -> None:
+    """When a replica carries both labels but is not ready, a retry can succeed: 503."""
+    pool = make_pool(2)
+    pool.replicas[0].ready = False
+    hints = RouteHints(pool="pool-0", machine_profile="p0")
+    pool.check_hints(hints)
+    with pytest.raises(ServiceUnavailable) as info:
+        await pool.acquire(hints, 1)
+    assert info.value.code == "model_loading"
+    assert info.value.headers.get("Retry-After") == "2"
 
 
 async def test_exclude() -> None:

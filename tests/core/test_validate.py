@@ -370,15 +370,33 @@ def test_image_size_limit() -> None:
         decode_image_uri(huge, max_bytes=1000, param="p")
 
 
-def test_encode_only_and_text_only_models_refuse_images() -> None:
+def test_text_only_model_refuses_images() -> None:
     req = decode_chat(json.dumps(_image_body(PNG_DATA_URI)).encode())
-    encoder = ModelProfile(name="test-model", inputs=frozenset({"text", "image"}), encode_only=True)
-    for profile in (encoder, TEXT_ONLY):
-        with pytest.raises(UnsupportedField) as info:
-            check_chat(req, profile)
-        assert info.value.param == "messages[1].content[1]"
-    with pytest.raises(UnsupportedField, match="encode-only"):
-        check_chat(req, encoder)
+    with pytest.raises(UnsupportedField) as info:
+        check_chat(req, TEXT_ONLY)
+    assert info.value.param == "messages[1].content[1]"
+    assert "does not accept image input" in info.value.message
+
+
+def test_encode_only_model_cannot_generate() -> None:
+    """An embedding model named on either generation surface is a 400 naming `model`."""
+    encoder = ModelProfile(name="enc", inputs=frozenset({"text", "image"}), encode_only=True)
+    errors: list[RequestError] = []
+    plain = {"model": "enc", "messages": [{"role": "user", "content": "hi"}]}
+    with_image = _image_body(PNG_DATA_URI) | {"model": "enc"}  # the model is refused, not the image
+    for body in (plain, with_image):
+        with pytest.raises(RequestError) as info:
+            check_chat(decode_chat(json.dumps(body).encode()), encoder)
+        errors.append(info.value)
+    completion = decode_completion(json.dumps({"model": "enc", "prompt": "hi"}).encode())
+    with pytest.raises(RequestError) as info:
+        check_completion(completion, encoder)
+    errors.append(info.value)
+    for err in errors:
+        assert type(err) is InvalidRequest
+        assert err.status == 400 and err.code == "invalid_request" and err.param == "model"
+        assert "`enc`" in err.message and "cannot generate" in err.message
+        assert "embedding (encode-only)" in err.message
 
 
 def test_remote_urls_are_refused_without_fetching() -> None:

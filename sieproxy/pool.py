@@ -16,9 +16,15 @@ replica is full the request waits (bounded by ``admission_wait``), then gets 503
 
 Health: a background task per replica polls ``/health`` (and ``/server_info`` once, to learn the
 text mode). A failed check takes a replica out until a check passes again. Requests failing
-with a server-side error ``breaker_failures`` times in a row take it out for a backoff that
-doubles up to ``breaker_backoff_max`` (a successful request resets the streak); passing health
-checks do not cut that backoff short, and client errors (4xx) never count.
+with a server-side error ``breaker_failures`` times in a row open its circuit breaker: the
+replica is out for a backoff that doubles on each further opening up to ``breaker_backoff_max``
+(a successful request resets the streak and the backoff; client errors, 4xx, never count).
+Passing health checks do not reset the streak, but a check that *started after* the breaker
+opened and passes closes it at once, half-open: the next failed request opens it again (for the
+doubled backoff), a successful one closes it for good. So the backoff bounds the time out only
+while the checks fail or hang; a replica whose ``/health`` passes is retried within one
+``health_interval``, at the cost of one failed request (retried on another replica) while its
+requests keep failing.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ class Replica:
     total: int = 0
     failures: int = 0  # consecutive
     out_until: float = 0.0  # circuit open until this trio time
+    opened_at: float = 0.0  # trio time the circuit last opened
     backoff: float = 0.0
     retired: bool = False  # dropped by a config reload: never chosen, its watcher stops
 
@@ -173,7 +180,8 @@ class ModelPool:
                 self._g.breaker_backoff_max,
                 (r.backoff * 2) if r.backoff else self._g.breaker_backoff,
             )
-            r.out_until = trio.current_time() + r.backoff
+            r.opened_at = trio.current_time()
+            r.out_until = r.opened_at + r.backoff
             r.failures = 0
             log.warning(
                 "replica %s of %s taken out for %.1f s after %d failed requests",
@@ -182,6 +190,14 @@ class ModelPool:
                 r.backoff,
                 self._g.breaker_failures,
             )
+
+    def _close_breaker(self, r: Replica) -> None:
+        """A health check that started after the breaker opened passed: put ``r`` back now,
+        half-open (one more failed request opens the breaker again)."""
+        r.out_until = 0.0
+        r.failures = self._g.breaker_failures - 1
+        log.info("replica %s of %s is back: a health check passed", r.url, self.model)
+        self._wake()
 
     # ------------------------------------------------------------------ routing
     def _choose(
@@ -248,6 +264,7 @@ class ModelPool:
     async def _watch(self, r: Replica, client: EngineClient) -> None:
         g = self._g
         while not r.retired:
+            started = trio.current_time()
             ok = False
             why = "its /health did not answer 200"
             with trio.move_on_after(g.health_timeout) as scope:
@@ -263,9 +280,9 @@ class ModelPool:
             if scope.cancelled_caught:
                 ok = False
                 why = f"its check took longer than {g.health_timeout:g} s"
-            # Checks decide readiness only. The request breaker (out_until) is left alone: a
-            # replica whose /health passes but whose requests fail stays out for its backoff.
             # One log line per transition, when a replica leaves or returns.
+            if ok and started > r.opened_at and r.out_until > trio.current_time():
+                self._close_breaker(r)
             if ok and not r.ready:
                 log.info("replica %s of %s is ready", r.url, self.model)
                 r.ready = True

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 import pytest
@@ -388,6 +388,7 @@ class FakeHealth:
     def __init__(self) -> None:
         self.status: dict[str, int] = {}
         self.hang: set[str] = set()
+        self.delay = 0.0
         self.checks: Counter[str] = Counter()
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
@@ -396,6 +397,7 @@ class FakeHealth:
             self.checks[host] += 1
             if host in self.hang:
                 await trio.sleep_forever()
+            await trio.sleep(self.delay)
             return httpx.Response(self.status.get(host, 200))
         if request.url.path == "/server_info":
             return httpx.Response(200, json={"incremental_streaming_output": True})
@@ -444,28 +446,60 @@ async def test_watcher_times_out_a_hanging_check(autojump_clock: trio.abc.Clock)
         nursery.cancel_scope.cancel()
 
 
-async def test_request_breaker_survives_passing_health_checks(
-    autojump_clock: trio.abc.Clock,
-) -> None:
-    """A replica taken out for failing *requests* stays out for its backoff.
-
-    The issue: "a replica that fails requests or checks is taken out and put back after a
-    backoff". A replica whose /health still answers 200 but which fails every /generate must not
-    be put back by the next health check (health_interval) long before the backoff ends.
-    """
-    pool = make_pool(2, ready=False, health_interval=0.1, breaker_failures=2, breaker_backoff=5.0)
-    fake = FakeHealth()
-    client = client_with(fake, pool._g)
+async def test_passing_health_check_closes_the_breaker(autojump_clock: trio.abc.Clock) -> None:
+    """docs/CONFIGURATION.md: "A successful health check puts it back at once". With a 30 s
+    backoff and checks passing every second, the replica is back after one check, not 30 s;
+    half-open, so one more failed request opens the breaker again, for the doubled backoff."""
+    pool = make_pool(
+        2, ready=False, health_interval=1.0, breaker_failures=2, breaker_backoff=30.0,
+        breaker_backoff_max=100.0,
+    )  # fmt: skip
     a = pool.replicas[0]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(pool.run_health_checks, client)
-        await trio.sleep(0.05)
-        assert a.ready
+    async with watched(pool):
         pool.record_failure(a)  # two failed requests in a row
         pool.record_failure(a)
-        assert not a.available(trio.current_time())
-        await trio.sleep(1.0)  # ten passing health checks, well within the 5 s backoff
-        assert not a.available(trio.current_time()), "health check cut the backoff short"
-        await trio.sleep(4.5)
+        opened = trio.current_time()
+        assert not a.available(opened)
+        await wait_for(lambda: a.available(trio.current_time()))
+        assert trio.current_time() - opened <= 1.0  # the next check, not the 30 s backoff
+        pool.record_failure(a)  # half-open: one failure is enough
+        assert a.out_until - trio.current_time() == pytest.approx(60.0)  # doubled
+        await wait_for(lambda: a.available(trio.current_time()))
+        pool.record_success(a)  # closed for good: a streak is needed again
+        pool.record_failure(a)
         assert a.available(trio.current_time())
+
+
+async def test_check_in_flight_when_the_breaker_opens_does_not_close_it(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Only a check that started after the breaker opened speaks for the replica since then."""
+    pool = make_pool(1, ready=False, health_interval=1.0, breaker_failures=1, breaker_backoff=30.0)
+    a = pool.replicas[0]
+    async with watched(pool) as fake:
+        fake.delay = 0.8
+        await trio.sleep(0.6)  # the second check started at 1.0 and answers at 1.8
+        pool.record_failure(a)  # opens at 1.1, while that check is in flight
+        await trio.sleep(0.8)
+        assert fake.checks["10.0.0.0"] == 2
+        assert not a.available(trio.current_time()), "a check begun before the opening closed it"
+        await trio.sleep(2.0)  # the third check began at 2.8 and passed at 3.6
+        assert a.available(trio.current_time())
+
+
+@contextlib.asynccontextmanager
+async def watched(pool: ModelPool) -> AsyncIterator[FakeHealth]:
+    """The pool's health watchers running against a FakeHealth, every replica ready (0.5 s)."""
+    fake = FakeHealth()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pool.run_health_checks, client_with(fake, pool._g))
+        await trio.sleep(0.5)
+        assert all(r.ready for r in pool.replicas)
+        yield fake
         nursery.cancel_scope.cancel()
+
+
+async def wait_for(pred: Callable[[], bool], timeout: float = 100.0) -> None:
+    with trio.fail_after(timeout):
+        while not pred():
+            await trio.sleep(0.01)

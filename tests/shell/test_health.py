@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -277,6 +278,29 @@ async def test_model_loading_503_then_ready() -> None:
             assert ready.json()["models"] == {MODEL: True}
             r = await chat(gw)
             assert r.status_code == 200, r.text
+
+
+async def test_discovered_template_that_does_not_compile_falls_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A template read from the engine's /model_info directory cannot be checked at load: one
+    that is not valid Jinja is logged as an error and the plain rendering serves (as for a
+    directory holding no template), instead of a 500 on every chat request."""
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}")
+
+    def hook(s: Settings) -> None:
+        s.models[MODEL].chat_template = None  # discover it from the engine
+
+    caplog.set_level(logging.INFO, logger="sieproxy")
+    with trio.fail_after(10):
+        engine = FakeEngine(model_path=str(tmp_path))
+        async with running_gateway(engine, settings_hook=hook) as gw:
+            r = await chat(gw)
+            assert r.status_code == 200, r.text
+            (body,) = [b for p, b in engine.requests if p == "/generate"]
+            assert body["text"] == "<|user|>\nhi\n<|assistant|>\n"
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert [m for m in errors if f"model {MODEL}: the chat template is not valid Jinja" in m]
 
 
 async def test_every_replica_down_is_model_loading() -> None:

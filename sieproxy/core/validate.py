@@ -571,9 +571,13 @@ def _chat_images(req: ChatCompletionRequest, profile: ModelProfile) -> list[Imag
                 continue
             path = f"messages[{i}].content[{j}]"
             if not profile.accepts_images:
+                reason = (
+                    "is an embedding (encode-only) model"
+                    if profile.encode_only
+                    else "does not accept image input"
+                )
                 raise UnsupportedField(
-                    f"Model `{profile.name}` does not accept image input; remove the image part.",
-                    param=path,
+                    f"Model `{profile.name}` {reason}; remove the image part.", param=path
                 )
             ref = part.image_url
             uri = ref if isinstance(ref, str) else ref.url
@@ -584,21 +588,24 @@ def _chat_images(req: ChatCompletionRequest, profile: ModelProfile) -> list[Imag
     return images
 
 
-def _check_generates(profile: ModelProfile) -> None:
+def _cannot_generate(profile: ModelProfile) -> InvalidRequest:
     # An encode-only (embedding) model has no generation head: answering 200 would relay
     # whatever its engine makes of a /generate call. The contract serves no embeddings surface,
     # so the only advice is to pick another model.
-    if profile.encode_only:
-        raise InvalidRequest(
-            f"Model `{profile.name}` is an embedding (encode-only) model and cannot generate "
-            "text; choose a generative model (GET /v1/models lists them).",
-            param="model",
-        )
+    return InvalidRequest(
+        f"Model `{profile.name}` is an embedding (encode-only) model and cannot generate "
+        "text; choose a generative model (GET /v1/models lists them).",
+        param="model",
+    )
 
 
 def check_chat(req: ChatCompletionRequest, profile: ModelProfile) -> ValidChat:
     """Apply the model-dependent rules to a request from :func:`decode_chat`."""
-    _check_generates(profile)
+    if profile.encode_only:
+        # The contract names the refusal of an image part sent to an encode-only model
+        # (unsupported_field, at the part); any other request to it is refused for the model.
+        _chat_images(req, profile)
+        raise _cannot_generate(profile)
     lora = req.lora_adapter
     if lora is not None and lora not in profile.lora_names:
         raise InvalidRequest(
@@ -668,7 +675,8 @@ def check_completion(req: CompletionRequest, profile: ModelProfile) -> ValidComp
 
     The model must be able to generate (not ``encode_only``).
     """
-    _check_generates(profile)
+    if profile.encode_only:
+        raise _cannot_generate(profile)
     prompt = req.prompt
     if type(prompt) is not str:
         raise UnsupportedField(

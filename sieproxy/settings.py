@@ -296,7 +296,7 @@ def _check(s: Settings, where: str) -> None:
             raise bad(f"models.{name}.tokenizer", f"not a directory: {m.tokenizer}")
         if m.default_max_tokens is not None and m.default_max_tokens < 1:
             raise bad(f"models.{name}.default_max_tokens", "must be >= 1")
-        _check_model_code(name, m, bad)
+        _check_parsers_and_template(name, m, bad)
     if s.embedded_engine.enabled and s.embedded_engine.served_name in s.models:
         raise bad(
             "embedded_engine.served_name",
@@ -304,7 +304,9 @@ def _check(s: Settings, where: str) -> None:
         )
 
 
-def _check_model_code(name: str, m: ModelSettings, bad: Callable[[str, str], ConfigError]) -> None:
+def _check_parsers_and_template(
+    name: str, m: ModelSettings, bad: Callable[[str, str], ConfigError]
+) -> None:
     """What would otherwise fail on requests: parser names, and the template compiled."""
     key = f"models.{name}"
     try:

@@ -125,6 +125,9 @@ def test_tokenizer_directory_template_is_compiled_at_load(tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match=r"key `models\.m\.tokenizer`: .*not readable JSON"):
         load_settings(_write(tmp_path, text))
     (tok / "tokenizer_config.json").unlink()
+    (tok / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}")
+    with pytest.raises(ConfigError, match=r"key `models\.m\.tokenizer`: .*not readable UTF-8"):
+        load_settings(_write(tmp_path, text))
     (tok / "chat_template.jinja").write_text("{{ messages | length }}")
     assert build_state(load_settings(_write(tmp_path, text))).profiles["m"].chat_template
 

@@ -16,9 +16,15 @@ replica is full the request waits (bounded by ``admission_wait``), then gets 503
 
 Health: a background task per replica polls ``/health`` (and ``/server_info`` once, to learn the
 text mode). A failed check takes a replica out until a check passes again. Requests failing
-with a server-side error ``breaker_failures`` times in a row take it out for a backoff that
-doubles up to ``breaker_backoff_max`` (a successful request resets the streak); passing health
-checks do not cut that backoff short, and client errors (4xx) never count.
+with a server-side error ``breaker_failures`` times in a row open its circuit breaker: the
+replica is out for a backoff that doubles on each further opening up to ``breaker_backoff_max``
+(a successful request resets the streak and the backoff; client errors, 4xx, never count).
+Passing health checks do not reset the streak, but a check that *started after* the breaker
+opened and passes closes it at once, half-open: the next failed request opens it again (for the
+doubled backoff), a successful one closes it for good. So the backoff bounds the time out only
+while the checks fail or hang; a replica whose ``/health`` passes is retried within one
+``health_interval``, at the cost of one failed request (retried on another replica) while its
+requests keep failing.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ class Replica:
     total: int = 0
     failures: int = 0  # consecutive
     out_until: float = 0.0  # circuit open until this trio time
+    opened_at: float = 0.0  # trio time the circuit last opened
     backoff: float = 0.0
     retired: bool = False  # dropped by a config reload: never chosen, its watcher stops
 
@@ -94,6 +101,7 @@ class ModelPool:
         self.machine_profiles = frozenset(
             r.machine_profile for r in self.replicas if r.machine_profile
         )
+        self._label_pairs = frozenset((r.pool, r.machine_profile) for r in self.replicas)
 
     def set_engines(self, specs: Iterable[EngineSpec]) -> tuple[list[str], list[str]]:
         """Replace the replica list (a config reload); returns the URLs (added, removed).
@@ -134,7 +142,11 @@ class ModelPool:
         return self.gate_open and any(r.available(now) for r in self.replicas)
 
     def check_hints(self, h: RouteHints) -> None:
-        """A header value that no replica of the model carries is a 400 naming the header."""
+        """Header values that no replica of the model carries are a 400 naming the header.
+
+        This covers the two headers together: a pool and a machine profile that each exist but
+        never on one replica can never be served, so a retry (503) would be no answer.
+        """
         if h.pool is not None and h.pool not in self.pools:
             raise InvalidRequest(
                 f"No engine of model {self.model!r} is in pool {h.pool!r}.", param="X-SIE-Pool"
@@ -143,6 +155,17 @@ class ModelPool:
             raise InvalidRequest(
                 f"No engine of model {self.model!r} has machine profile {h.machine_profile!r}.",
                 param="X-SIE-MACHINE-PROFILE",
+            )
+        if (
+            h.pool is not None
+            and h.machine_profile is not None
+            and (h.pool, h.machine_profile) not in self._label_pairs
+        ):
+            raise InvalidRequest(
+                f"No engine of model {self.model!r} is both in pool {h.pool!r} (X-SIE-Pool) "
+                f"and of machine profile {h.machine_profile!r} (X-SIE-MACHINE-PROFILE); "
+                "drop one of the two headers or choose values one engine carries.",
+                param="X-SIE-Pool",
             )
 
     def record_success(self, r: Replica) -> None:
@@ -157,7 +180,8 @@ class ModelPool:
                 self._g.breaker_backoff_max,
                 (r.backoff * 2) if r.backoff else self._g.breaker_backoff,
             )
-            r.out_until = trio.current_time() + r.backoff
+            r.opened_at = trio.current_time()
+            r.out_until = r.opened_at + r.backoff
             r.failures = 0
             log.warning(
                 "replica %s of %s taken out for %.1f s after %d failed requests",
@@ -166,6 +190,14 @@ class ModelPool:
                 r.backoff,
                 self._g.breaker_failures,
             )
+
+    def _close_breaker(self, r: Replica) -> None:
+        """A health check that started after the breaker opened passed: put ``r`` back now,
+        half-open (one more failed request opens the breaker again)."""
+        r.out_until = 0.0
+        r.failures = self._g.breaker_failures - 1
+        log.info("replica %s of %s is back: a health check passed", r.url, self.model)
+        self._wake()
 
     # ------------------------------------------------------------------ routing
     def _choose(
@@ -232,6 +264,7 @@ class ModelPool:
     async def _watch(self, r: Replica, client: EngineClient) -> None:
         g = self._g
         while not r.retired:
+            started = trio.current_time()
             ok = False
             why = "its /health did not answer 200"
             with trio.move_on_after(g.health_timeout) as scope:
@@ -247,9 +280,9 @@ class ModelPool:
             if scope.cancelled_caught:
                 ok = False
                 why = f"its check took longer than {g.health_timeout:g} s"
-            # Checks decide readiness only. The request breaker (out_until) is left alone: a
-            # replica whose /health passes but whose requests fail stays out for its backoff.
             # One log line per transition, when a replica leaves or returns.
+            if ok and started > r.opened_at and r.out_until > trio.current_time():
+                self._close_breaker(r)
             if ok and not r.ready:
                 log.info("replica %s of %s is ready", r.url, self.model)
                 r.ready = True

@@ -31,9 +31,7 @@ from .auth import Authenticator
 from .child import engine_argv, supervise_child
 from .core.errors import GatewayError
 from .core.profile import ModelProfile
-from .core.reasoning import make_reasoning_parser
 from .core.template import check_template
-from .core.toolparse import make_tool_parser
 from .engine_client import EngineClient
 from .hypercorn_io import install as install_hypercorn_io
 from .observe import Observer
@@ -90,34 +88,17 @@ def _specs(m: ModelSettings) -> list[EngineSpec]:
     return [e if isinstance(e, EngineSpec) else EngineSpec(url=e) for e in m.engines]
 
 
-def _check_profile(p: ModelProfile) -> None:
-    """Fail at start, naming the key, for what would otherwise be a 500 on every request."""
-    key = f"models.{p.name}"
-    try:
-        make_tool_parser(p.tool_parser, tool_names=())
-    except ValueError as exc:
-        raise ConfigError(f"key `{key}.tool_parser`: {exc}") from None
-    try:
-        make_reasoning_parser(p.reasoning_parser, enable_thinking=None)
-    except ValueError as exc:
-        raise ConfigError(f"key `{key}.reasoning_parser`: {exc}") from None
-    if p.chat_template is not None:
-        try:
-            check_template(p.chat_template)
-        except GatewayError:
-            raise ConfigError(f"key `{key}`: the chat template does not compile") from None
-
-
 def build_state(settings: Settings) -> GatewayState:
-    """Everything the routes need (no I/O beyond reading local template files)."""
+    """Everything the routes need (no I/O beyond reading local template files).
+
+    ``settings`` come from :func:`load_settings`, which has checked parser names and templates.
+    """
     g = settings.gateway
     models = effective_models(settings)
     try:
         profiles = {name: _profile(name, m, settings) for name, m in models.items()}
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    for p in profiles.values():
-        _check_profile(p)
     pools = {name: ModelPool(name, _specs(m), g) for name, m in models.items()}
     for name, m in models.items():
         if not m.tokenizer and not m.chat_template:
@@ -155,8 +136,10 @@ async def _discover_template(state: GatewayState, model: str) -> None:
             if isinstance(path, str) and await trio.Path(path).is_dir():
                 try:
                     src = read_tokenizer_dir(path)
+                    if src.template:
+                        check_template(src.template)
                 except ValueError as exc:
-                    log.warning("model %s: %s", model, exc)
+                    log.error("model %s: %s (from %s)", model, exc, path)
                 else:
                     if src.template:
                         state.profiles[model] = replace(

@@ -1,7 +1,9 @@
 """Settings: one typed table, loaded from a TOML file, overridden by environment variables.
 
 Every field has a documented default (see docs/CONFIGURATION.md, which mirrors this module).
-A bad file fails at start with a message naming the file, the key and the problem.
+A bad file fails at start with a message naming the file, the key and the problem: every value
+is checked at load time (ranges, parser names, chat templates compiled, ``tokens_file`` read),
+so ``sieproxy config`` refuses whatever ``sieproxy serve`` would fail on later.
 
 Environment overrides (applied after the file):
 
@@ -17,11 +19,17 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 from msgspec import Struct, field
+
+from .core.reasoning import make_reasoning_parser
+from .core.template import check_template
+from .core.toolparse import make_tool_parser
+from .tokenizer_dir import read_tokenizer_dir
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -91,8 +99,9 @@ class GatewaySettings(_Conf):
     #: Background health checks of each replica.
     health_interval: float = 5.0
     health_timeout: float = 10.0
-    #: Circuit breaker: a replica failing this many times in a row is taken out for
-    #: ``breaker_backoff`` seconds (doubling up to ``breaker_backoff_max``).
+    #: Circuit breaker: a replica failing this many requests in a row is taken out for
+    #: ``breaker_backoff`` seconds (doubling up to ``breaker_backoff_max``), or until a health
+    #: check begun after the opening passes (see sieproxy/pool.py).
     breaker_failures: int = 3
     breaker_backoff: float = 2.0
     breaker_backoff_max: float = 60.0
@@ -234,12 +243,22 @@ def _check(s: Settings, where: str) -> None:
 
     if g.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         raise bad("gateway.log_level", "one of debug, info, warning, error, critical")
-    for key in ("retry_after", "breaker_failures", "max_image_bytes"):
+    for key in ("retry_after", "breaker_failures", "max_image_bytes", "max_sse_line_bytes"):
         if getattr(g, key) < 1:
             raise bad(f"gateway.{key}", "must be >= 1")
-    for key in ("admission_wait", "breaker_backoff", "breaker_backoff_max"):
-        if getattr(g, key) < 0:
-            raise bad(f"gateway.{key}", "must be >= 0 seconds")
+    # 0 is meaningful for these two: answer 503 at once when full; keep no idle connection.
+    if g.admission_wait < 0:
+        raise bad("gateway.admission_wait", "must be >= 0 seconds (0: no wait)")
+    if g.max_keepalive_connections < 0:
+        raise bad("gateway.max_keepalive_connections", "must be >= 0 (0: no keep-alive)")
+    if g.breaker_backoff_max < g.breaker_backoff:
+        raise bad("gateway.breaker_backoff_max", "must be >= `gateway.breaker_backoff`")
+    if g.tokens_file:
+        try:
+            Path(g.tokens_file).read_bytes()
+        except OSError as exc:
+            problem = f"cannot read {g.tokens_file}: {exc.strerror}"
+            raise bad("gateway.tokens_file", problem) from None
     if not 0 <= g.port <= 65535:
         raise bad("gateway.port", "must be in [0, 65535]")
     if g.default_max_tokens < 1:
@@ -257,6 +276,7 @@ def _check(s: Settings, where: str) -> None:
         "health_interval",
         "health_timeout",
         "shutdown_grace",
+        "breaker_backoff",
     ):
         if getattr(g, key) <= 0:
             raise bad(f"gateway.{key}", "must be a positive number of seconds")
@@ -276,11 +296,39 @@ def _check(s: Settings, where: str) -> None:
             raise bad(f"models.{name}.tokenizer", f"not a directory: {m.tokenizer}")
         if m.default_max_tokens is not None and m.default_max_tokens < 1:
             raise bad(f"models.{name}.default_max_tokens", "must be >= 1")
+        _check_parsers_and_template(name, m, bad)
     if s.embedded_engine.enabled and s.embedded_engine.served_name in s.models:
         raise bad(
             "embedded_engine.served_name",
             f"model {s.embedded_engine.served_name!r} is also configured under [models]",
         )
+
+
+def _check_parsers_and_template(
+    name: str, m: ModelSettings, bad: Callable[[str, str], ConfigError]
+) -> None:
+    """What would otherwise fail on requests: parser names, and the template compiled."""
+    key = f"models.{name}"
+    try:
+        make_tool_parser(m.tool_parser, tool_names=())
+    except ValueError as exc:
+        raise bad(f"{key}.tool_parser", str(exc)) from None
+    try:
+        make_reasoning_parser(m.reasoning_parser, enable_thinking=None)
+    except ValueError as exc:
+        raise bad(f"{key}.reasoning_parser", str(exc)) from None
+    template, key = m.chat_template, f"{key}.chat_template"
+    if m.tokenizer:
+        key = f"models.{name}.tokenizer"
+        try:
+            template = read_tokenizer_dir(m.tokenizer).template
+        except ValueError as exc:
+            raise bad(key, str(exc)) from None
+    if template is not None:
+        try:
+            check_template(template)
+        except ValueError as exc:
+            raise bad(key, str(exc)) from None
 
 
 def as_dict(s: Settings) -> dict[str, Any]:

@@ -37,7 +37,10 @@ def read_tokenizer_dir(path: str | Path) -> TemplateSource:
     template: str | None = None
     jinja = d / "chat_template.jinja"
     if jinja.is_file():
-        template = jinja.read_text("utf-8")
+        try:
+            template = jinja.read_text("utf-8")
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{jinja}: not readable UTF-8 text ({exc})") from None
     else:
         ct = cfg.get("chat_template")
         if isinstance(ct, str):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,20 +52,51 @@ def test_good_file_and_env_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert build_state(s).profiles["m"].default_max_tokens == 77
 
 
+BROKEN_TEMPLATE = "{% for m in messages %}{{ m['content'] }}"  # no endfor
+
+#: Values accepted by the types but fatal (or meaningless) later: each must stop the load,
+#: naming its key. (file text, key, a word of the problem)
+REFUSED_AT_LOAD = [
+    ("[models.m]\nengines = ['http://x']\ntool_parser = 'nope'\n",
+     "models.m.tool_parser", "unknown tool-call parser 'nope'"),
+    ("[models.m]\nengines = ['http://x']\nreasoning_parser = 'nope'\n",
+     "models.m.reasoning_parser", "unknown reasoning parser 'nope'"),
+    (f"[models.m]\nengines = ['http://x']\nchat_template = \"{BROKEN_TEMPLATE}\"\n",
+     "models.m.chat_template", "not valid Jinja"),
+    ("[gateway]\nlog_level = 'loud'\n", "gateway.log_level", "one of"),
+    ("[gateway]\nretry_after = 0\n", "gateway.retry_after", ">= 1"),
+    ("[gateway]\nbreaker_failures = 0\n", "gateway.breaker_failures", ">= 1"),
+    ("[gateway]\nbreaker_backoff = 0\n", "gateway.breaker_backoff", "positive"),
+    ("[gateway]\nbreaker_backoff = -1\n", "gateway.breaker_backoff", "positive"),
+    ("[gateway]\nbreaker_backoff_max = 0\n", "gateway.breaker_backoff_max", "breaker_backoff"),
+    ("[gateway]\nbreaker_backoff = 5\nbreaker_backoff_max = 4\n",
+     "gateway.breaker_backoff_max", "breaker_backoff"),
+    ("[gateway]\nadmission_wait = -1\n", "gateway.admission_wait", ">= 0"),
+    ("[gateway]\nmax_image_bytes = 0\n", "gateway.max_image_bytes", ">= 1"),
+    ("[gateway]\nmax_sse_line_bytes = 0\n", "gateway.max_sse_line_bytes", ">= 1"),
+    ("[gateway]\nmax_sse_line_bytes = -5\n", "gateway.max_sse_line_bytes", ">= 1"),
+    ("[gateway]\nmax_keepalive_connections = -1\n", "gateway.max_keepalive_connections", ">= 0"),
+    ("[gateway]\ntokens_file = '/nonexistent/tokens'\n", "gateway.tokens_file", "cannot read"),
+]  # fmt: skip
+
+#: Files the types or the basic checks refuse.
+BAD_FILES = [
+    ("[gateway]\nport = 'x'\n", "gateway.port", "Expected `int`"),
+    ("[gateway]\nprot = 1\n", "gateway", "unknown key `prot`"),
+    ("[gateway]\nport = 70000\n", "gateway.port", "[0, 65535]"),
+    ("[gateway]\ntoken_gap_timeout = 0\n", "gateway.token_gap_timeout", "positive"),
+    ("[models.m]\nengines = []\n", "models.m.engines", "at least one"),
+    ("[models.m]\nengines = ['ftp://x']\n", "models.m.engines[0]", "http(s)"),
+    ("[models.m]\nengines = ['http://x']\ninputs = ['audio']\n", "models.m.inputs", "audio"),
+    ("[models.m]\nengines = ['http://x']\ntokenizer = '/nonexistent'\n",
+     "models.m.tokenizer", "not a directory"),
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("text", "key", "problem"),
-    [
-        ("[gateway]\nport = 'x'\n", "gateway.port", "Expected `int`"),
-        ("[gateway]\nprot = 1\n", "gateway", "unknown key `prot`"),
-        ("[gateway]\nport = 70000\n", "gateway.port", "[0, 65535]"),
-        ("[gateway]\ntoken_gap_timeout = 0\n", "gateway.token_gap_timeout", "positive"),
-        ("[gateway]\nlog_level = 'loud'\n", "gateway.log_level", "one of"),
-        ("[models.m]\nengines = []\n", "models.m.engines", "at least one"),
-        ("[models.m]\nengines = ['ftp://x']\n", "models.m.engines[0]", "http(s)"),
-        ("[models.m]\nengines = ['http://x']\ninputs = ['audio']\n", "models.m.inputs", "audio"),
-        ("[models.m]\nengines = ['http://x']\ntokenizer = '/nonexistent'\n",
-         "models.m.tokenizer", "not a directory"),
-    ],
+    BAD_FILES + REFUSED_AT_LOAD,
+    ids=[k for _, k, _ in BAD_FILES + REFUSED_AT_LOAD],
 )
 def test_bad_file_names_file_key_problem(
     tmp_path: Path, text: str, key: str, problem: str
@@ -70,20 +105,78 @@ def test_bad_file_names_file_key_problem(
     with pytest.raises(ConfigError) as info:
         load_settings(p)
     msg = str(info.value)
-    assert str(p) in msg and key in msg and problem in msg, msg
+    assert msg.startswith(f"{p}: key `{key}`: ") and problem in msg, msg
+
+
+def test_zero_is_a_setting_for_admission_wait_and_keepalive(tmp_path: Path) -> None:
+    text = "[gateway]\nadmission_wait = 0\nmax_keepalive_connections = 0\n"
+    g = load_settings(_write(tmp_path, text)).gateway
+    assert (g.admission_wait, g.max_keepalive_connections) == (0, 0)
+
+
+def test_tokenizer_directory_template_is_compiled_at_load(tmp_path: Path) -> None:
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer_config.json").write_text(json.dumps({"chat_template": BROKEN_TEMPLATE}))
+    text = f"[models.m]\nengines = ['http://x']\ntokenizer = '{tok}'\n"
+    with pytest.raises(ConfigError, match=r"key `models\.m\.tokenizer`: .*not valid Jinja"):
+        load_settings(_write(tmp_path, text))
+    (tok / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"key `models\.m\.tokenizer`: .*not readable JSON"):
+        load_settings(_write(tmp_path, text))
+    (tok / "tokenizer_config.json").unlink()
+    (tok / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}")
+    with pytest.raises(ConfigError, match=r"key `models\.m\.tokenizer`: .*not readable UTF-8"):
+        load_settings(_write(tmp_path, text))
+    (tok / "chat_template.jinja").write_text("{{ messages | length }}")
+    assert build_state(load_settings(_write(tmp_path, text))).profiles["m"].chat_template
+
+
+def _one_per_key(cases: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    return list({key: (text, key, problem) for text, key, problem in reversed(cases)}.values())
 
 
 @pytest.mark.parametrize(
-    ("extra", "key"),
-    [
-        ("tool_parser = 'nope'", "models.m.tool_parser"),
-        ("reasoning_parser = 'nope'", "models.m.reasoning_parser"),
-    ],
+    ("text", "key", "problem"),
+    _one_per_key(REFUSED_AT_LOAD),
+    ids=[k for _, k, _ in _one_per_key(REFUSED_AT_LOAD)],
 )
-def test_unknown_parser_fails_at_start(tmp_path: Path, extra: str, key: str) -> None:
-    s = load_settings(_write(tmp_path, f"[models.m]\nengines = ['http://x']\n{extra}\n"))
-    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        build_state(s)
+def test_cli_config_refuses_with_one_line(
+    tmp_path: Path, text: str, key: str, problem: str
+) -> None:
+    """`sieproxy config` (the pre-deployment check) exits 2 with one line naming the key."""
+    p = _write(tmp_path, text)
+    done = _cli("config", "--config", str(p))
+    assert done.returncode == 2, done
+    assert done.stdout == ""
+    assert done.stderr.splitlines() == [done.stderr.rstrip("\n")], done.stderr
+    assert done.stderr.startswith(f"sieproxy: configuration error: {p}: key `{key}`: ")
+    assert problem in done.stderr and "Traceback" not in done.stderr
+
+
+def test_cli_serve_refuses_before_starting(tmp_path: Path) -> None:
+    p = _write(
+        tmp_path,
+        "[gateway]\nport = 0\n[models.m]\nengines = ['http://127.0.0.1:9']\n"
+        f"chat_template = \"{BROKEN_TEMPLATE}\"\n",
+    )
+    done = _cli("serve", "--config", str(p), "--host", "127.0.0.1", "--port", "0")
+    assert done.returncode == 2, done
+    assert done.stderr.startswith(
+        f"sieproxy: configuration error: {p}: key `models.m.chat_template`: "
+    )
+    assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SIEPROXY_", "SIE_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "sieproxy", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
 
 
 def test_invalid_toml(tmp_path: Path) -> None:

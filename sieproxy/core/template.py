@@ -41,8 +41,9 @@ client error (400 ``invalid_request``, ``param`` ``messages`` or ``messages[i]``
 offending message is located by binary search over message prefixes (a bounded ``log2(n)`` extra
 renders, only on the error path). The text a template passes to ``raise_exception`` is the
 template author's message to users and is echoed (truncated); any other exception text is not.
-A template source that does not compile is the operator's error (500 ``InternalError``); call
-:func:`check_template` when loading a profile to catch it at startup.
+A template source that does not compile is the operator's error: configuration loading calls
+:func:`check_template` to refuse it at startup (should one reach a render anyway, it is a 500
+``InternalError``).
 
 Which tools the template sees (``tools``) is decided by :func:`sieproxy.core.grammar.tool_plan`
 (OpenAI ``{"type": "function", "function": {...}}`` dicts, or ``None``).
@@ -193,8 +194,14 @@ def _compile(source: str) -> jinja2.Template:
 
 
 def check_template(source: str) -> None:
-    """Compile ``source`` (and cache it); raise :class:`InternalError` if it is not valid Jinja."""
-    _compile(source)
+    """Compile ``source`` (and cache it); raise :class:`ValueError` saying what is wrong and on
+    which line if it is not valid Jinja (for the operator: configuration time only)."""
+    try:
+        _compile(source)
+    except InternalError as exc:
+        cause = exc.__cause__
+        where = f" (line {cause.lineno})" if isinstance(cause, jinja2.TemplateSyntaxError) else ""
+        raise ValueError(f"the chat template is not valid Jinja: {cause}{where}") from None
     template_takes_content_parts(source)
 
 

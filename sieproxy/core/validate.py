@@ -588,8 +588,24 @@ def _chat_images(req: ChatCompletionRequest, profile: ModelProfile) -> list[Imag
     return images
 
 
+def _cannot_generate(profile: ModelProfile) -> InvalidRequest:
+    # An encode-only (embedding) model has no generation head: answering 200 would relay
+    # whatever its engine makes of a /generate call. The contract serves no embeddings surface,
+    # so the only advice is to pick another model.
+    return InvalidRequest(
+        f"Model `{profile.name}` is an embedding (encode-only) model and cannot generate "
+        "text; choose a generative model (GET /v1/models lists them).",
+        param="model",
+    )
+
+
 def check_chat(req: ChatCompletionRequest, profile: ModelProfile) -> ValidChat:
     """Apply the model-dependent rules to a request from :func:`decode_chat`."""
+    if profile.encode_only:
+        # The contract names the refusal of an image part sent to an encode-only model
+        # (unsupported_field, at the part); any other request to it is refused for the model.
+        _chat_images(req, profile)
+        raise _cannot_generate(profile)
     lora = req.lora_adapter
     if lora is not None and lora not in profile.lora_names:
         raise InvalidRequest(
@@ -657,8 +673,10 @@ def decode_completion(body: bytes) -> CompletionRequest:
 def check_completion(req: CompletionRequest, profile: ModelProfile) -> ValidCompletion:
     """Build the validated completion from a request of :func:`decode_completion`.
 
-    No completions rule depends on the model today; ``profile`` keeps the API symmetric.
+    The model must be able to generate (not ``encode_only``).
     """
+    if profile.encode_only:
+        raise _cannot_generate(profile)
     prompt = req.prompt
     if type(prompt) is not str:
         raise UnsupportedField(

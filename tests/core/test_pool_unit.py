@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 import pytest
@@ -203,13 +203,40 @@ async def test_hint_filtering() -> None:
 
 async def test_check_hints_names_the_header() -> None:
     pool = make_pool(2)
-    pool.check_hints(RouteHints(pool="pool-1", machine_profile="p0"))
+    pool.check_hints(RouteHints(pool="pool-1", machine_profile="p1"))
     with pytest.raises(InvalidRequest) as e1:
         pool.check_hints(RouteHints(pool="nope"))
     assert e1.value.param == "X-SIE-Pool"
     with pytest.raises(InvalidRequest) as e2:
         pool.check_hints(RouteHints(machine_profile="nope"))
     assert e2.value.param == "X-SIE-MACHINE-PROFILE"
+
+
+async def test_pool_and_profile_that_never_meet_are_a_400_naming_both() -> None:
+    """pool-1 and p0 each exist (replicas 1 and 0) but never on one replica: a retry can never
+    succeed, so the answer is 400, not 503 model_loading."""
+    pool = make_pool(2)
+    with pytest.raises(InvalidRequest) as info:
+        pool.check_hints(RouteHints(pool="pool-1", machine_profile="p0"))
+    err = info.value
+    assert err.status == 400 and err.code == "invalid_request" and err.param == "X-SIE-Pool"
+    for word in ("X-SIE-Pool", "X-SIE-MACHINE-PROFILE", "'pool-1'", "'p0'"):
+        assert word in err.message
+    # A config reload that puts the two labels on one replica makes the pair servable.
+    pool.set_engines([EngineSpec(url="http://10.0.0.9:3000", pool="pool-1", machine_profile="p0")])
+    pool.check_hints(RouteHints(pool="pool-1", machine_profile="p0"))
+
+
+async def test_matching_replica_not_ready_is_still_503() -> None:
+    """When a replica carries both labels but is not ready, a retry can succeed: 503."""
+    pool = make_pool(2)
+    pool.replicas[0].ready = False
+    hints = RouteHints(pool="pool-0", machine_profile="p0")
+    pool.check_hints(hints)
+    with pytest.raises(ServiceUnavailable) as info:
+        await pool.acquire(hints, 1)
+    assert info.value.code == "model_loading"
+    assert info.value.headers.get("Retry-After") == "2"
 
 
 async def test_exclude() -> None:
@@ -361,6 +388,7 @@ class FakeHealth:
     def __init__(self) -> None:
         self.status: dict[str, int] = {}
         self.hang: set[str] = set()
+        self.delay = 0.0
         self.checks: Counter[str] = Counter()
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
@@ -369,6 +397,7 @@ class FakeHealth:
             self.checks[host] += 1
             if host in self.hang:
                 await trio.sleep_forever()
+            await trio.sleep(self.delay)
             return httpx.Response(self.status.get(host, 200))
         if request.url.path == "/server_info":
             return httpx.Response(200, json={"incremental_streaming_output": True})
@@ -417,28 +446,60 @@ async def test_watcher_times_out_a_hanging_check(autojump_clock: trio.abc.Clock)
         nursery.cancel_scope.cancel()
 
 
-async def test_request_breaker_survives_passing_health_checks(
-    autojump_clock: trio.abc.Clock,
-) -> None:
-    """A replica taken out for failing *requests* stays out for its backoff.
-
-    The issue: "a replica that fails requests or checks is taken out and put back after a
-    backoff". A replica whose /health still answers 200 but which fails every /generate must not
-    be put back by the next health check (health_interval) long before the backoff ends.
-    """
-    pool = make_pool(2, ready=False, health_interval=0.1, breaker_failures=2, breaker_backoff=5.0)
-    fake = FakeHealth()
-    client = client_with(fake, pool._g)
+async def test_passing_health_check_closes_the_breaker(autojump_clock: trio.abc.Clock) -> None:
+    """docs/CONFIGURATION.md: "A successful health check puts it back at once". With a 30 s
+    backoff and checks passing every second, the replica is back after one check, not 30 s;
+    half-open, so one more failed request opens the breaker again, for the doubled backoff."""
+    pool = make_pool(
+        2, ready=False, health_interval=1.0, breaker_failures=2, breaker_backoff=30.0,
+        breaker_backoff_max=100.0,
+    )  # fmt: skip
     a = pool.replicas[0]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(pool.run_health_checks, client)
-        await trio.sleep(0.05)
-        assert a.ready
+    async with watched(pool):
         pool.record_failure(a)  # two failed requests in a row
         pool.record_failure(a)
-        assert not a.available(trio.current_time())
-        await trio.sleep(1.0)  # ten passing health checks, well within the 5 s backoff
-        assert not a.available(trio.current_time()), "health check cut the backoff short"
-        await trio.sleep(4.5)
+        opened = trio.current_time()
+        assert not a.available(opened)
+        await wait_for(lambda: a.available(trio.current_time()))
+        assert trio.current_time() - opened <= 1.0  # the next check, not the 30 s backoff
+        pool.record_failure(a)  # half-open: one failure is enough
+        assert a.out_until - trio.current_time() == pytest.approx(60.0)  # doubled
+        await wait_for(lambda: a.available(trio.current_time()))
+        pool.record_success(a)  # closed for good: a streak is needed again
+        pool.record_failure(a)
         assert a.available(trio.current_time())
+
+
+async def test_check_in_flight_when_the_breaker_opens_does_not_close_it(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Only a check that started after the breaker opened speaks for the replica since then."""
+    pool = make_pool(1, ready=False, health_interval=1.0, breaker_failures=1, breaker_backoff=30.0)
+    a = pool.replicas[0]
+    async with watched(pool) as fake:
+        fake.delay = 0.8
+        await trio.sleep(0.6)  # the second check started at 1.0 and answers at 1.8
+        pool.record_failure(a)  # opens at 1.1, while that check is in flight
+        await trio.sleep(0.8)
+        assert fake.checks["10.0.0.0"] == 2
+        assert not a.available(trio.current_time()), "a check begun before the opening closed it"
+        await trio.sleep(2.0)  # the third check began at 2.8 and passed at 3.6
+        assert a.available(trio.current_time())
+
+
+@contextlib.asynccontextmanager
+async def watched(pool: ModelPool) -> AsyncIterator[FakeHealth]:
+    """The pool's health watchers running against a FakeHealth, every replica ready (0.5 s)."""
+    fake = FakeHealth()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pool.run_health_checks, client_with(fake, pool._g))
+        await trio.sleep(0.5)
+        assert all(r.ready for r in pool.replicas)
+        yield fake
         nursery.cancel_scope.cancel()
+
+
+async def wait_for(pred: Callable[[], bool], timeout: float = 100.0) -> None:
+    with trio.fail_after(timeout):
+        while not pred():
+            await trio.sleep(0.01)

@@ -386,8 +386,8 @@ def test_sandbox_escape_is_a_400() -> None:
 
 
 def test_broken_template_source_is_an_internal_error() -> None:
-    with pytest.raises(InternalError):
-        check_template("{% for m in messages %}")
+    with pytest.raises(ValueError, match=r"not valid Jinja: .*'endfor'.* \(line 1\)"):
+        check_template("{% for m in messages %}")  # configuration time: the operator's message
     with pytest.raises(InternalError):
         ours("{% if %}", {}, [{"role": "user", "content": "x"}])
 

@@ -381,6 +381,26 @@ def test_encode_only_and_text_only_models_refuse_images() -> None:
         check_chat(req, encoder)
 
 
+def test_encode_only_model_cannot_generate() -> None:
+    """An embedding model named on either generation surface is a 400 naming `model` (an image
+    part sent to it keeps the contract's own refusal: see the test above)."""
+    encoder = ModelProfile(name="enc", inputs=frozenset({"text", "image"}), encode_only=True)
+    errors: list[RequestError] = []
+    chat = {"model": "enc", "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(RequestError) as info:
+        check_chat(decode_chat(json.dumps(chat).encode()), encoder)
+    errors.append(info.value)
+    completion = decode_completion(json.dumps({"model": "enc", "prompt": "hi"}).encode())
+    with pytest.raises(RequestError) as info:
+        check_completion(completion, encoder)
+    errors.append(info.value)
+    for err in errors:
+        assert type(err) is InvalidRequest
+        assert err.status == 400 and err.code == "invalid_request" and err.param == "model"
+        assert "`enc`" in err.message and "cannot generate" in err.message
+        assert "embedding (encode-only)" in err.message
+
+
 def test_remote_urls_are_refused_without_fetching() -> None:
     for url in (
         "https://example.com/a.png",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -279,6 +280,29 @@ async def test_model_loading_503_then_ready() -> None:
             assert r.status_code == 200, r.text
 
 
+async def test_discovered_template_that_does_not_compile_falls_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A template read from the engine's /model_info directory cannot be checked at load: one
+    that is not valid Jinja is logged as an error and the plain rendering serves (as for a
+    directory holding no template), instead of a 500 on every chat request."""
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}")
+
+    def hook(s: Settings) -> None:
+        s.models[MODEL].chat_template = None  # discover it from the engine
+
+    caplog.set_level(logging.INFO, logger="sieproxy")
+    with trio.fail_after(10):
+        engine = FakeEngine(model_path=str(tmp_path))
+        async with running_gateway(engine, settings_hook=hook) as gw:
+            r = await chat(gw)
+            assert r.status_code == 200, r.text
+            (body,) = [b for p, b in engine.requests if p == "/generate"]
+            assert body["text"] == "<|user|>\nhi\n<|assistant|>\n"
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert [m for m in errors if f"model {MODEL}: the chat template is not valid Jinja" in m]
+
+
 async def test_every_replica_down_is_model_loading() -> None:
     with trio.fail_after(15):
         engines = [KillableEngine(), KillableEngine()]
@@ -299,45 +323,45 @@ async def test_every_replica_down_is_model_loading() -> None:
             assert (await chat(gw)).status_code == 200
 
 
-async def test_failing_requests_open_breaker_despite_passing_checks(
+async def test_failing_requests_open_breaker_and_a_passing_check_closes_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A replica whose /health is fine but which fails requests is out for the backoff.
-
-    Issue: "a replica that fails requests or checks is taken out and put back after a backoff".
-    """
+    """breaker_failures = 2, breaker_backoff = 30: two failed requests in a row take the replica
+    out even though its /health passes (checks do not reset the streak), and the next check
+    that passes puts it back at once (docs/CONFIGURATION.md), not after 30 s. Half-open: while
+    its requests still fail, one failure takes it out again."""
+    caplog.set_level(logging.INFO, logger="sieproxy.pool")
     with trio.fail_after(20):
         script = Switch()
         engines = [FakeEngine(script=script), FakeEngine()]
         async with running_gateway(
-            engines, breaker_failures=2, breaker_backoff=1.5, breaker_backoff_max=1.5
+            engines, breaker_failures=2, breaker_backoff=30.0, breaker_backoff_max=60.0
         ) as gw:
             key = await find_key(gw, 0)
+            url = replica(gw, 0).url
             script.fault = Fault.http_error(503)
             for _ in range(2):
                 r = await chat(gw, routing_key=key)
                 assert r.status_code == 200, r.text  # retried on the other replica
                 assert served_by(gw, r.headers["x-request-id"]) == [0, 1]
-            assert not up(gw, 0), (
-                "two failed requests in a row must open the breaker "
-                "(a passing health check in between reset the failure streak)"
-            )
-            url = replica(gw, 0).url
-            assert f"replica {url} of {MODEL} taken out for 1.5 s after 2 failed requests" in [
-                r.getMessage() for r in caplog.records if r.name == "sieproxy.pool"
-            ]
-            seen = len(gen_rids(engines[0]))
-            await trio.sleep(0.3)  # several passing health checks, well within the backoff
-            for _ in range(3):
-                r = await chat(gw, routing_key=key)
-                assert r.status_code == 200, r.text
-            assert len(gen_rids(engines[0])) == seen, (
-                "the breaker was closed by a health check before its backoff ended"
-            )
+            assert not up(gw, 0), "two failed requests in a row must open the breaker"
+            opened = trio.current_time()
+            # health_interval is 0.05 s: the next passing check closes it, well before 30 s.
+            await wait_until(lambda: up(gw, 0), timeout=5)
+            assert trio.current_time() - opened < 5
+            r = await chat(gw, routing_key=key)  # half-open: one more failure re-opens it
+            assert r.status_code == 200, r.text
+            assert served_by(gw, r.headers["x-request-id"]) == [0, 1]
+            assert not up(gw, 0)
             script.fault = None
-            await trio.sleep(1.5)
+            await wait_until(lambda: up(gw, 0), timeout=5)
             r = await chat(gw, routing_key=key)
+            assert r.status_code == 200, r.text
             assert served_by(gw, r.headers["x-request-id"]) == [0]
+    lines = [r.getMessage() for r in caplog.records if r.name == "sieproxy.pool"]
+    assert f"replica {url} of {MODEL} taken out for 30.0 s after 2 failed requests" in lines
+    assert f"replica {url} of {MODEL} taken out for 60.0 s after 2 failed requests" in lines
+    assert lines.count(f"replica {url} of {MODEL} is back: a health check passed") == 2
 
 
 async def test_client_errors_do_not_open_breaker() -> None:

@@ -215,6 +215,31 @@ async def test_pool_and_machine_profile_headers() -> None:
             assert r.json()["error"]["param"] == "X-SIE-MACHINE-PROFILE"
 
 
+async def test_pool_and_profile_never_on_one_replica_is_400() -> None:
+    """Each header value exists, never on the same replica: 400 naming both, not 503 loading.
+    The same pair served by a replica that is down is a 503: a retry may succeed."""
+    with trio.fail_after(20):
+        engines = [FakeEngine(), FakeEngine()]  # (pool-0, profile-0), (pool-1, profile-1)
+        async with running_gateway(engines) as gw:
+            apart = {"X-SIE-Pool": "pool-1", "X-SIE-MACHINE-PROFILE": "profile-0"}
+            r = await chat(gw, headers=apart)
+            assert r.status_code == 400, r.text
+            assert "retry-after" not in r.headers
+            err = r.json()["error"]
+            assert err["type"] == "invalid_request_error", err
+            assert (err["code"], err["param"]) == ("invalid_request", "X-SIE-Pool")
+            assert "X-SIE-Pool" in err["message"] and "X-SIE-MACHINE-PROFILE" in err["message"]
+            assert all(gen_rids(e) == [] for e in engines)
+
+            engines[0].healthy = False
+            await wait_until(lambda: not up(gw, 0))
+            together = {"X-SIE-Pool": "pool-0", "X-SIE-MACHINE-PROFILE": "profile-0"}
+            r = await chat(gw, headers=together)
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "model_loading"
+            assert "retry-after" in r.headers
+
+
 async def test_pool_header_never_falls_back_to_other_pools() -> None:
     with trio.fail_after(20):
         engines = [FakeEngine(), FakeEngine()]

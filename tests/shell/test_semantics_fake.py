@@ -490,3 +490,29 @@ async def test_schema_in_prompt_profile_default_off() -> None:
             r = await gw.chat(response_format=_rf(), schema_in_prompt=True, max_tokens=3)
             assert r.status_code == 200
             assert "# Response Formats" in _generates(gw)[-1]["text"]
+
+
+# ---------------------------------------------------------------- encode-only models
+
+
+async def test_encode_only_model_is_400_on_both_generation_surfaces() -> None:
+    def hook(s: Settings) -> None:
+        s.models[MODEL].encode_only = True
+
+    with trio.fail_after(LIMIT):
+        async with running_gateway(settings_hook=hook) as gw:
+            answers = [
+                await gw.chat(max_tokens=3),
+                await gw.chat(max_tokens=3, stream=True),
+                await gw.client.post(
+                    "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3}
+                ),
+            ]
+            for r in answers:
+                assert r.status_code == 400, r.text
+                assert r.headers["content-type"].startswith("application/json")
+                err = r.json()["error"]
+                assert err["type"] == "invalid_request_error"
+                assert (err["code"], err["param"]) == ("invalid_request", "model")
+                assert "cannot generate" in err["message"] and MODEL in err["message"]
+            assert _generates(gw) == []

@@ -363,9 +363,11 @@ _REFUSALS: tuple[tuple[str, str], ...] = (
         "Illegal target",
         "The request target contains characters HTTP does not allow; percent-encode them.",
     ),
-    ("peer", "The connection was closed before the request was complete."),
 )
 _NOT_HTTP = "The request is not valid HTTP/1.1."
+#: The client closed its side of the connection before its request was complete (h11's
+#: messages that start with "peer"): answered too, but it is the client leaving, not a refusal.
+_CLOSED_EARLY = "The connection was closed before the request was complete."
 _json = msgspec.json.Encoder()
 
 
@@ -373,6 +375,8 @@ def _refusal_reason(error: BaseException | None, limit: int) -> str:
     """The sentence for h11's ``error`` (a generic one for anything else)."""
     if isinstance(error, h11.RemoteProtocolError):
         text = str(error)
+        if text.startswith("peer"):
+            return _CLOSED_EARLY
         for start, sentence in _REFUSALS:
             if text.startswith(start):
                 return sentence.format(limit=limit)
@@ -385,8 +389,9 @@ async def _refuse(server: TCPServer, proto: H11Protocol, status: int) -> None:
     calls it only inside its ``except h11.RemoteProtocolError``, so the exception being handled
     is the reason."""
     reason = _refusal_reason(sys.exc_info()[1], proto.config.h11_max_incomplete_size)
-    server.refused = (status, reason)
-    log.info("refused a request from %s with %d: %s", _peer(proto.client), status, reason)
+    if reason is not _CLOSED_EARLY:
+        server.refused = (status, reason)
+        log.info("refused a request from %s with %d: %s", _peer(proto.client), status, reason)
     body = _json.encode(InvalidRequest(reason).envelope())
     headers = [
         (b"content-type", b"application/json"),

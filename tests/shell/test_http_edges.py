@@ -623,15 +623,26 @@ async def test_an_unexpected_failure_before_the_response_is_a_500_envelope(
         raise RuntimeError("a bug in planning")
 
     monkeypatch.setattr(sieproxy.app, "build_chat", broken)
-    async with running_gateway() as gw:
+    caplog.set_level("INFO", logger="sieproxy.access")
+
+    def log_on(settings: Settings) -> None:
+        settings.gateway.access_log = True
+
+    async with running_gateway(settings_hook=log_on) as gw:
         with trio.fail_after(20):
             r = await gw.chat(stream=True)
             err = envelope(r, 500, type_="server_error")
             assert "a bug" not in err["message"]
             assert _RID_RE.match(r.headers["x-request-id"])
             assert "unhandled error" in caplog.text
+            rid = r.headers["x-request-id"]
             r = await gw.client.post(CMPL, json=CMPL_BODY)  # the other route is unaffected
             assert r.status_code == 200, r.text
+    # In the access log too, as every request is.
+    access = [json.loads(x.getMessage()) for x in caplog.records if x.name == "sieproxy.access"]
+    assert [(ln["status"], ln["error_code"]) for ln in access if ln["request_id"] == rid] == [
+        (500, "internal_error")
+    ]
 
 
 async def test_a_client_gone_before_its_body_arrived_gets_nothing_and_costs_nothing(

@@ -52,7 +52,7 @@ from .core.errors import (
 from .core.pipeline import build_chat, build_completion
 from .core.profile import ModelProfile
 from .engine_client import EngineClient
-from .hypercorn_io import body_writer, prepare_head, send_together, watch_disconnect
+from .hypercorn_io import body_writer, prepare_head, refusal, send_together, watch_disconnect
 from .observe import Observer
 from .pool import ModelPool, RouteHints
 from .pump import Pump
@@ -143,6 +143,29 @@ class _ClientGone(Exception):
     """The client left before its request body arrived: nothing is answered."""
 
 
+class _Client:
+    """One generation request's client as the disconnect watcher sees it: ``left`` once it
+    left before the response's end, which the response marks (``ended``) as it hands the end
+    (or a whole answer) to the server (the client's leaving after that is the normal end)."""
+
+    __slots__ = ("ended", "left")
+
+    def __init__(self) -> None:
+        self.left = False
+        self.ended = False
+
+    def outcome(self) -> str:
+        """The response's outcome for the access log (``RequestStats.outcome``)."""
+        return "client_closed" if self.left else "complete" if self.ended else "cut"
+
+
+async def _watch_client(receive: Any, scope: trio.CancelScope, client: _Client) -> None:
+    await watch_disconnect(receive, scope)
+    # Nothing has yielded since the cancel: the response's task has not seen it yet.
+    if not client.ended:
+        client.left = True
+
+
 async def _serve_generation(
     state: GatewayState, endpoint: str, body_timeout: float, scope: Any, receive: Any, send: Any
 ) -> None:
@@ -152,6 +175,7 @@ async def _serve_generation(
             headers[name] = value.decode("latin-1")
     rid = _request_id(headers.get(b"x-request-id"))
     raw: bytes | None = None  # the request body, once read to its end
+    client = _Client()
     async with trio.open_nursery() as nursery:
         body: GenerationBody | None = None
         try:
@@ -164,27 +188,38 @@ async def _serve_generation(
                         retry_after=g.retry_after,
                     )
                 raw = await _read_body(headers, receive, g.max_body_bytes, body_timeout)
-                nursery.start_soon(watch_disconnect, receive, nursery.cancel_scope)
-                body = await _start(state, endpoint, rid, headers, raw)
+                nursery.start_soon(_watch_client, receive, nursery.cancel_scope, client)
+                body = await _start(state, endpoint, rid, headers, raw, client)
             except _ClientGone:
+                refused = refusal()  # the connection answered a body it could not read
+                if refused is None:
+                    client.left = True
+                else:
+                    bad = InvalidRequest(refused[1])
+                    bad.status = refused[0]
+                    sdk = headers.get(b"x-sie-sdk-version")
+                    state.observer.refusal(endpoint, bad, request_id=rid, sdk_version=sdk)
                 return
             except Exception as exc:
-                err = _as_error(exc, rid)
-                if err is exc:  # a refusal (counted with no model label: it may be unknown)
-                    sdk = headers.get(b"x-sie-sdk-version")
-                    state.observer.refusal(endpoint, err, request_id=rid, sdk_version=sdk)
+                err = _as_error(exc, rid)  # counted with no model label: it may be unknown
+                sdk = headers.get(b"x-sie-sdk-version")
+                state.observer.refusal(endpoint, err, request_id=rid, sdk_version=sdk)
+                client.ended = True
                 await _send_whole(send, _error_response(err, rid), close=raw is None)
                 return
             ctype = b"text/event-stream" if body.streaming else _JSON_CT_B
             out = [(b"content-type", ctype), (b"x-request-id", rid.encode("latin-1"))]
             if body.streaming:
                 out += _SSE_HEADERS
-            await _send_generation(send, out, body)
+            await _send_generation(send, out, body, client)
         finally:
             if body is not None:
                 if not body.entered:  # the client left before the body was entered
                     body.discard()
                 state.active.discard(body)  # only once its last byte is out (graceful drain)
+            elif client.left:  # before its body arrived, or while waiting for admission
+                sdk = headers.get(b"x-sie-sdk-version")
+                state.observer.client_left(endpoint, request_id=rid, sdk_version=sdk)
             nursery.cancel_scope.cancel()
 
 
@@ -260,7 +295,12 @@ class _Body:
 
 
 async def _start(
-    state: GatewayState, endpoint: str, rid: str, headers: dict[bytes, str], raw: bytes
+    state: GatewayState,
+    endpoint: str,
+    rid: str,
+    headers: dict[bytes, str],
+    raw: bytes,
+    client: _Client,
 ) -> GenerationBody:
     """Plan the request and admit it: the response body, not entered yet (every status
     decision before the body is primed is taken here)."""
@@ -284,6 +324,7 @@ async def _start(
 
     def finish(b: GenerationBody) -> None:
         b.stats.prompt_tokens, b.stats.completion_tokens = usage()
+        b.stats.outcome = client.outcome()
         state.observer.request_done(b.stats)
 
     body = GenerationBody(
@@ -306,7 +347,7 @@ async def _start(
 
 
 async def _send_generation(
-    send: Any, headers: list[tuple[bytes, bytes]], body: GenerationBody
+    send: Any, headers: list[tuple[bytes, bytes]], body: GenerationBody, client: _Client
 ) -> None:
     async with body:
         start = {"type": "http.response.start", "status": 200, "headers": headers}
@@ -319,14 +360,17 @@ async def _send_generation(
             head = await body.prime()
         except Exception as exc:
             err = body.stats.error = _as_error(exc, body.stats.request_id)
+            body.stats.responded = client.ended = True
             await _send_whole(send, _error_response(err, body.stats.request_id))
             return
         # The head and the first frames go out in one socket write; the whole answer (not
         # streamed, or a stream that ended at once) with the body's end too.
         messages = [start]
+        body.stats.responded = True
         if body.done:
             messages.append(_body(head, more=False))
             head = b""
+            client.ended = True
         sending = send_together(send, messages, head, prepared=prepared)
         direct = await body.client_write(sending)
         if body.done:
@@ -338,10 +382,12 @@ async def _send_generation(
             try:
                 data = await body.__anext__()
             except StopAsyncIteration:
+                client.ended = True  # sent below
                 break
             if not data:
                 continue
             if body.done:  # the last frames ([DONE], or an error event): with the body's end
+                client.ended = True
                 await body.client_write(send_together(send, [], data, (_body(b"", more=False),)))
                 return
             await body.client_write(write(data))

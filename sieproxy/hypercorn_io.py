@@ -102,13 +102,25 @@ The connection is found through a context variable set when it starts serving: H
 spawns the app's task from the connection's own task, and a Trio task inherits its spawner's
 context.
 
+A request h11 cannot read (no ``Host``, a bad ``Content-Length`` or chunk size, a head
+over Hypercorn's ``h11_max_incomplete_size``, a malformed request line or header) is answered
+by Hypercorn with an empty ``400`` (or h11's ``431``/``501``) and the connection closed. The
+connection answers it here instead (``_refuse``, in place of Hypercorn's
+``_send_error_response`` on each HTTP/1.1 protocol it serves): the same status and close, with
+the gateway's error envelope and a sentence that says what was wrong (``_REFUSALS``; h11's own
+wording quotes the client's bytes). Hypercorn calls it only while it handles h11's
+``RemoteProtocolError``, which is where the reason is read from. The refusal is logged on
+``sieproxy.http``, and kept on the connection (``refusal()``) for a request whose app task is
+already running (a bad chunk in its body): the app records that status, not a client that left.
+
 ``install()`` makes Hypercorn's Trio worker create these connections and task groups. It relies
 on attributes of Hypercorn's ``TCPServer`` (``stream``, ``send_lock``, ``protocol``,
 ``idle_task``, ``_read_data``, ``_initiate_server_close``), of its task group (``_nursery``,
 the module's ``_handle``), of its HTTP/1.1 protocol (``connection``, ``stream``, ``config``,
-``keep_alive_requests``), of its HTTP stream (``state``, ``response``, ``closed``) and of h11's
-connection (``our_state``, ``their_http_version``, ``_cstate``, ``_request_method``,
-``_process_event``, ``_writer``, the header patterns), and on the modules
+``client``, ``keep_alive_requests``, ``_send_error_response``, ``_send_h11_event``), of its
+HTTP stream (``state``, ``response``, ``closed``) and of h11's connection (``our_state``,
+``their_http_version``, ``_cstate``, ``_request_method``, ``_process_event``, ``_writer``, the
+header patterns, the wording of its ``RemoteProtocolError`` messages), and on the modules
 ``hypercorn.trio.run`` and ``hypercorn.trio.tcp_server`` looking the classes up when they serve;
 pyproject.toml bounds Hypercorn and h11 below their next minor versions, and
 tests/shell/test_hypercorn_io.py checks the behaviour on the installed ones.
@@ -116,14 +128,18 @@ tests/shell/test_hypercorn_io.py checks the behaviour on the installed ones.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
+from functools import partial
 from typing import Any
 
 import h11
+import msgspec
 import trio
 from h11._headers import _field_name_re as _FIELD_NAME
 from h11._headers import _field_value_re as _FIELD_VALUE
@@ -138,6 +154,7 @@ from hypercorn.trio.task_group import _handle as hypercorn_handle
 from hypercorn.trio.tcp_server import TCPServer as HypercornTCPServer
 
 from .channels import put, take
+from .core.errors import InvalidRequest
 
 __all__ = [
     "BodyWrite",
@@ -148,6 +165,7 @@ __all__ = [
     "body_writer",
     "chunk_writer",
     "install",
+    "refusal",
     "send_together",
     "watch_disconnect",
 ]
@@ -155,6 +173,8 @@ __all__ = [
 BodyWrite = Callable[[bytes], Awaitable[None]]
 
 _SERVING: ContextVar[TCPServer | None] = ContextVar("sieproxy_connection", default=None)
+
+log = logging.getLogger("sieproxy.http")
 
 
 class TCPServer(HypercornTCPServer):
@@ -166,12 +186,18 @@ class TCPServer(HypercornTCPServer):
         self._keep_alive = _KeepAlive(self)
         self.idle_task = self._keep_alive  # type: ignore[assignment]  # Hypercorn's interface
         self._held: bytes | None = None  # what ``send_together`` holds back, while it does
+        self.refused: tuple[int, str] | None = None  # status and reason of ``_refuse``'s answer
 
     async def run(self) -> None:
         _SERVING.set(self)  # inherited by the tasks this connection spawns (the app's)
         await super().run()
 
     async def _read_data(self) -> None:
+        proto = self.protocol.protocol  # made by Hypercorn's ``run`` just before it reads
+        if type(proto) is H11Protocol:
+            # A request h11 refuses is answered with the envelope (the module docstring).
+            answer = partial(_refuse, self, proto)
+            proto._send_error_response = answer  # type: ignore[method-assign]
         try:
             stream: trio.abc.Stream = self.stream  # typed SSLStream by Hypercorn
             if type(stream) is trio.SocketStream and not self.config.read_timeout:
@@ -287,6 +313,107 @@ class TCPServer(HypercornTCPServer):
         shields its own, so that even a cancelled response is not cut inside a frame."""
         with trio.CancelScope(shield=True):
             await super().protocol_send(RawData(data=data))
+
+
+#: Why h11 refused a request (how its message starts), as the sentence the client reads.
+_REFUSALS: tuple[tuple[str, str], ...] = (
+    ("Missing mandatory Host", "The request has no `Host` header; HTTP/1.1 requires one."),
+    ("Found multiple Host", "The request has more than one `Host` header; send exactly one."),
+    (
+        "bad Content-Length",
+        "The `Content-Length` header is not a number of bytes; send a decimal integer.",
+    ),
+    (
+        "conflicting Content-Length",
+        "The request has `Content-Length` headers that disagree; send one.",
+    ),
+    (
+        "multiple Transfer-Encoding",
+        "The request has more than one `Transfer-Encoding` header; send only "
+        "`Transfer-Encoding: chunked`.",
+    ),
+    (
+        "Only Transfer-Encoding: chunked",
+        "Only `Transfer-Encoding: chunked` is supported for a request body.",
+    ),
+    (
+        "illegal chunk header",
+        "A chunk of the chunked request body does not start with its size in hexadecimal "
+        "followed by CRLF.",
+    ),
+    (
+        "malformed chunk footer",
+        "A chunk of the chunked request body is not followed by CRLF right after its declared "
+        "size.",
+    ),
+    (
+        "Receive buffer too long",
+        "The request line and headers are larger than the gateway's {limit}-byte limit.",
+    ),
+    ("illegal request line", "The request line is not `METHOD /path HTTP/1.1`."),
+    ("no request line", "The request line is not `METHOD /path HTTP/1.1`."),
+    ("illegal header line", "A header line is not `Name: value`."),
+    (
+        "continuation line",
+        "A header line starts with whitespace (a folded header); send each header on one line.",
+    ),
+    ("Illegal header", "A header name or value contains characters HTTP does not allow."),
+    ("Illegal method", "The request method contains characters HTTP does not allow."),
+    (
+        "Illegal target",
+        "The request target contains characters HTTP does not allow; percent-encode them.",
+    ),
+)
+_NOT_HTTP = "The request is not valid HTTP/1.1."
+#: The client closed its side of the connection before its request was complete (h11's
+#: messages that start with "peer"): answered too, but it is the client leaving, not a refusal.
+_CLOSED_EARLY = "The connection was closed before the request was complete."
+_json = msgspec.json.Encoder()
+
+
+def _refusal_reason(error: BaseException | None, limit: int) -> str:
+    """The sentence for h11's ``error`` (a generic one for anything else)."""
+    if isinstance(error, h11.RemoteProtocolError):
+        text = str(error)
+        if text.startswith("peer"):
+            return _CLOSED_EARLY
+        for start, sentence in _REFUSALS:
+            if text.startswith(start):
+                return sentence.format(limit=limit)
+    return _NOT_HTTP
+
+
+async def _refuse(server: TCPServer, proto: H11Protocol, status: int) -> None:
+    """Hypercorn's ``H11Protocol._send_error_response`` on ``server``'s connection: the same
+    status (h11's hint) and ``Connection: close``, with the error envelope as the body. Hypercorn
+    calls it only inside its ``except h11.RemoteProtocolError``, so the exception being handled
+    is the reason."""
+    reason = _refusal_reason(sys.exc_info()[1], proto.config.h11_max_incomplete_size)
+    if reason is not _CLOSED_EARLY:
+        server.refused = (status, reason)
+        log.info("refused a request from %s with %d: %s", _peer(proto.client), status, reason)
+    body = _json.encode(InvalidRequest(reason).envelope())
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+        (b"connection", b"close"),
+        *proto.config.response_headers("h11"),
+    ]
+    await proto._send_h11_event(h11.Response(status_code=status, headers=headers))
+    await proto._send_h11_event(h11.Data(data=body))
+    await proto._send_h11_event(h11.EndOfMessage())
+
+
+def _peer(client: tuple[str, int] | None) -> str:
+    return "an unknown address" if client is None else f"{client[0]}:{client[1]}"
+
+
+def refusal() -> tuple[int, str] | None:
+    """In an ASGI app's task served by ``TCPServer``: the status and reason of the error answer
+    the connection gave to a request it could not read (a malformed chunked body), else
+    ``None``. Such a request's app task sees the client leave (``http.disconnect``)."""
+    server = _SERVING.get()
+    return None if server is None else server.refused
 
 
 class _KeepAlive:

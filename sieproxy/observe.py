@@ -5,8 +5,12 @@ replica state are read from the pools at scrape time. No label carries user data
 the endpoint, the configured model name, the status code, the replica URL (from config) and the
 abort cause (a fixed vocabulary).
 
-The access log is one JSON line per request on the ``sieproxy.access`` logger. It never carries
-a bearer token, a prompt, generated text or ``user``.
+The access log is one JSON line per generation request on the ``sieproxy.access`` logger, with
+its real outcome: refused before it ran (its error status), left by its client before the
+status line (``499``, as nginx logs it; ``444`` if the gateway closed it first, at shutdown),
+or answered (its status, and ``outcome`` saying whether the client got the response's end).
+Every line has the same fields. It never carries a bearer token, a prompt, generated text or
+``user``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,12 @@ __all__ = ["Observer"]
 
 access_log = logging.getLogger("sieproxy.access")
 _enc = msgspec.json.Encoder()
+
+#: The statuses recorded for a request that got no status line, as nginx records them (no
+#: response carries them): its client left first ("client closed request"), or the gateway
+#: closed the connection first (a shutdown's grace ran out: "no response").
+CLIENT_CLOSED = 499
+NO_RESPONSE = 444
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -140,7 +150,23 @@ class Observer:
         sdk_version: str | None,
     ) -> None:
         """A request answered with an error before it ran (no model label: it may be unknown)."""
-        self.requests.labels(endpoint, "", str(err.status)).inc()
+        self._before_run(endpoint, err.status, "complete", err.code, request_id, sdk_version)
+
+    def client_left(self, endpoint: str, *, request_id: str, sdk_version: str | None) -> None:
+        """A request whose client left before it ran (while its body was arriving, or while it
+        waited for admission): nothing was answered."""
+        self._before_run(endpoint, CLIENT_CLOSED, "client_closed", None, request_id, sdk_version)
+
+    def _before_run(
+        self,
+        endpoint: str,
+        status: int,
+        outcome: str,
+        code: str | None,
+        request_id: str | None,
+        sdk_version: str | None,
+    ) -> None:
+        self.requests.labels(endpoint, "", str(status)).inc()
         if self._access and access_log.isEnabledFor(logging.INFO):
             access_log.info(
                 _enc.encode(
@@ -148,8 +174,18 @@ class Observer:
                         "request_id": request_id,
                         "endpoint": endpoint,
                         "model": None,
-                        "status": err.status,
-                        "error_code": err.code,
+                        "status": status,
+                        "outcome": outcome,
+                        "n": None,
+                        "stream": None,
+                        "prompt_tokens": None,
+                        "completion_tokens": None,
+                        "ttft_ms": None,
+                        "duration_ms": None,
+                        "replica": None,
+                        "abort_causes": None,
+                        "retried": False,
+                        "error_code": code,
                         "sdk_version": sdk_version,
                     }
                 ).decode()
@@ -157,7 +193,10 @@ class Observer:
 
     def request_done(self, s: RequestStats) -> None:
         now = trio.current_time()
-        status = s.error.status if s.error is not None else 200
+        if not s.responded:
+            status = CLIENT_CLOSED if s.outcome == "client_closed" else NO_RESPONSE
+        else:
+            status = s.error.status if s.error is not None else 200
         self.requests.labels(s.endpoint, s.model, str(status)).inc()
         self.duration.labels(s.model).observe(now - s.started)
         ttft = None
@@ -184,6 +223,7 @@ class Observer:
                         "endpoint": s.endpoint,
                         "model": s.model,
                         "status": status,
+                        "outcome": s.outcome,
                         "n": s.n,
                         "stream": s.stream,
                         "prompt_tokens": s.prompt_tokens,

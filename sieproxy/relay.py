@@ -117,6 +117,10 @@ class RequestStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     sdk_version: str | None = None
+    #: How the response ended for its client: ``complete`` (its end was sent), ``client_closed``
+    #: (the client left first) or ``cut`` (the gateway stopped first: a shutdown's grace ran out).
+    outcome: str = "complete"
+    responded: bool = False  # its status line was sent
 
 
 async def sweep_stalls(active: set[GenerationBody], limit: float) -> None:

@@ -623,15 +623,26 @@ async def test_an_unexpected_failure_before_the_response_is_a_500_envelope(
         raise RuntimeError("a bug in planning")
 
     monkeypatch.setattr(sieproxy.app, "build_chat", broken)
-    async with running_gateway() as gw:
+    caplog.set_level("INFO", logger="sieproxy.access")
+
+    def log_on(settings: Settings) -> None:
+        settings.gateway.access_log = True
+
+    async with running_gateway(settings_hook=log_on) as gw:
         with trio.fail_after(20):
             r = await gw.chat(stream=True)
             err = envelope(r, 500, type_="server_error")
             assert "a bug" not in err["message"]
             assert _RID_RE.match(r.headers["x-request-id"])
             assert "unhandled error" in caplog.text
+            rid = r.headers["x-request-id"]
             r = await gw.client.post(CMPL, json=CMPL_BODY)  # the other route is unaffected
             assert r.status_code == 200, r.text
+    # In the access log too, as every request is.
+    access = [json.loads(x.getMessage()) for x in caplog.records if x.name == "sieproxy.access"]
+    assert [(ln["status"], ln["error_code"]) for ln in access if ln["request_id"] == rid] == [
+        (500, "internal_error")
+    ]
 
 
 async def test_a_client_gone_before_its_body_arrived_gets_nothing_and_costs_nothing(
@@ -784,3 +795,101 @@ async def test_a_shutdown_closes_connections_left_idle_after_a_response() -> Non
                 for sock in socks:
                     assert await sock.receive_some(65536) == b""
                     await sock.aclose()
+
+
+# ---- requests HTTP/1.1 itself refuses --------------------------------------------------------
+
+_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
+_UNREADABLE = {
+    "no Host": (_HEAD + b"Content-Length: 2\r\n\r\n{}", 400, "no `Host` header"),
+    "two Hosts": (_HEAD + b"Host: a\r\nHost: b\r\nContent-Length: 2\r\n\r\n{}", 400, "one."),
+    "bad Content-Length": (
+        _HEAD + b"Host: x\r\nContent-Length: 12abc\r\n\r\n{}",
+        400,
+        "`Content-Length` header is not a number",
+    ),
+    "conflicting Content-Length": (
+        _HEAD + b"Host: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+        400,
+        "disagree",
+    ),
+    "bad chunk size": (
+        _HEAD + b"Host: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+        400,
+        "size in hexadecimal",
+    ),
+    "chunk longer than its size": (
+        _HEAD + b"Host: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}XX\r\n0\r\n\r\n",
+        400,
+        "right after its declared size",
+    ),
+    "unsupported transfer coding": (
+        _HEAD + b"Host: x\r\nTransfer-Encoding: gzip\r\n\r\n",
+        501,
+        "Only `Transfer-Encoding: chunked`",
+    ),
+    "oversized head": (  # still incomplete past the limit (``sieproxy serve``'s 64 KiB)
+        _HEAD + b"Host: x\r\nX-Big: " + b"a" * (70 * 1024),
+        431,
+        "larger than the gateway's 65536-byte limit",
+    ),
+    "bad request line": (b"HELLO THERE\r\nHost: x\r\n\r\n", 400, "request line"),
+    "bad header line": (_HEAD + b"Host: x\r\nNo Colon Here\r\n\r\n", 400, "`Name: value`"),
+}
+
+
+async def _refused_raw(host: str, port: int, data: bytes) -> tuple[h11.Response, bytes]:
+    """Send ``data`` on a new connection; the one response to it, parsed strictly by h11, once
+    the gateway has closed the connection."""
+    sock = await trio.open_tcp_stream(host, port)
+    async with sock:
+        with contextlib.suppress(trio.BrokenResourceError):
+            await sock.send_all(data)
+        got = b""
+        while True:
+            try:
+                more = await sock.receive_some(65536)
+            except trio.BrokenResourceError:  # a reset after the answer (unread request bytes)
+                break
+            if not more:
+                break
+            got += more
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method="POST", target=CHAT, headers=[("Host", "x")]))
+    conn.receive_data(got)
+    conn.receive_data(b"")
+    head = conn.next_event()
+    assert isinstance(head, h11.Response), got[:300]
+    body = b""
+    while type(event := conn.next_event()) is h11.Data:
+        body += event.data
+    assert type(event) is h11.EndOfMessage, event
+    return head, body
+
+
+@pytest.mark.parametrize("case", list(_UNREADABLE))
+async def test_a_request_http_cannot_read_gets_the_envelope(
+    case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue #31 (9): what h11 refuses used to get Hypercorn's empty 400. Now: h11's status,
+    the error envelope saying what was wrong, JSON, and the connection closed."""
+    caplog.set_level("INFO", logger="sieproxy.http")
+    data, status, says = _UNREADABLE[case]
+    async with running_gateway() as gw:
+        host, port = host_port(gw)
+        with trio.fail_after(20):
+            head, body = await _refused_raw(host, port, data)
+            headers = {k.lower(): v for k, v in head.headers}
+            assert head.status_code == status, (head, body)
+            assert headers[b"content-type"] == b"application/json"
+            assert headers[b"connection"] == b"close"
+            assert int(headers[b"content-length"]) == len(body)
+            resp = httpx.Response(status, headers=JSON_CT, content=body)
+            err = envelope(resp, status, code="invalid_request", param=None)
+            assert err["type"] == "invalid_request_error"
+            assert says in err["message"], err
+            assert err["message"].endswith("."), err
+            assert not any(c in err["message"] for c in ("bytearray", "\\r")), err
+            r = await gw.chat()  # the gateway still serves
+            assert r.status_code == 200, r.text
+    assert f"with {status}: {err['message']}" in caplog.text

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.fake import Call, FakeEngine, Fault, Plan, default_tokens
 from sieproxy.settings import Settings
 
-from .harness import MODEL, Gateway, running_gateway, sse_events
+from .harness import MODEL, Gateway, host_port, running_gateway, sse_events
 
 TOKEN = "CANARY-TOKEN-5f3a"
 PROMPT = "CANARY-PROMPT-91c2"
@@ -33,6 +33,8 @@ def script(call: Call) -> Plan:
     texts, ids = default_tokens(call.seed, 200)
     if "SLOWCLIENT" in prompt:
         return Plan(tokens=texts, token_ids=ids, itl=0.05)
+    if "WAITFIRST" in prompt:  # the first token comes late: the client leaves before it
+        return Plan(tokens=texts[:3], token_ids=ids[:3], ttft=10.0)
     if "MIDFAIL" in prompt:
         return Plan(tokens=texts[:10], token_ids=ids[:10], itl=0.01, fault=Fault.reset(at=2))
     if "BESTOF" in prompt:
@@ -277,6 +279,14 @@ async def test_refused_requests_are_counted() -> None:
 # ---------------------------------------------------------------------------- access log
 
 
+#: The fields of every access-log line, whatever became of the request.
+FIELDS = {
+    "request_id", "endpoint", "model", "status", "outcome", "n", "stream", "prompt_tokens",
+    "completion_tokens", "ttft_ms", "duration_ms", "replica", "abort_causes", "retried",
+    "error_code", "sdk_version",
+}  # fmt: skip
+
+
 def log_on(s: Settings) -> None:
     s.gateway.access_log = True  # the harness turns it off
 
@@ -324,12 +334,7 @@ async def test_access_log_one_json_line_per_request(caplog: pytest.LogCaptureFix
         by_id = {ln["request_id"]: ln for ln in lines}
         assert set(by_id) == {"log-stream", "log-unary", "log-cmpl", "log-gone"}
         for ln in lines:
-            for field in (
-                "request_id", "model", "status", "n", "stream", "prompt_tokens",
-                "completion_tokens", "ttft_ms", "duration_ms", "replica", "abort_causes",
-                "sdk_version",
-            ):  # fmt: skip
-                assert field in ln, (field, ln)
+            assert set(ln) == FIELDS, ln
             assert ln["model"] == MODEL
             assert ln["replica"] in urls
             assert ln["status"] == 200
@@ -341,12 +346,16 @@ async def test_access_log_one_json_line_per_request(caplog: pytest.LogCaptureFix
         assert s["completion_tokens"] == usage_of_stream(r1)["completion_tokens"] == 10
         assert s["prompt_tokens"] == usage_of_stream(r1)["prompt_tokens"]
         assert not s["abort_causes"]
+        assert s["outcome"] == "complete"
         u = by_id["log-unary"]
         assert u["n"] == 1 and u["stream"] is False and u["sdk_version"] is None
         assert u["completion_tokens"] == 4
         assert by_id["log-cmpl"]["completion_tokens"] == 3
         gone = by_id["log-gone"]
         assert gone["abort_causes"] == {"client": 1}
+        # It left mid-stream: the status sent (200), and an outcome that says it left.
+        assert gone["outcome"] == "client_closed"
+        assert {by_id[k]["outcome"] for k in ("log-unary", "log-cmpl")} == {"complete"}
         # It never finished: its tokens are what the engine had reported when the client left.
         assert gone["prompt_tokens"] > 0 and gone["completion_tokens"] >= 1
 
@@ -381,9 +390,118 @@ async def test_access_log_covers_refused_requests(caplog: pytest.LogCaptureFixtu
                 headers={"X-Request-Id": "refused-503"},
             )
             assert r.status_code == 503
+            r = await gw.client.post(
+                "/v1/completions",
+                json={"model": "CANARY-MODEL-x", "prompt": PROMPT},
+                headers={"X-Request-Id": "refused-404"},
+            )
+            assert r.status_code == 404
         lines = access_lines(caplog)
         by_id = {ln["request_id"]: ln for ln in lines}
-        assert set(by_id) == {"refused-400", "refused-503"}, lines
-        assert by_id["refused-400"]["status"] == 400
-        assert by_id["refused-503"]["status"] == 503
+        assert set(by_id) == {"refused-400", "refused-503", "refused-404"}, lines
+        for rid, endpoint, status, code in (
+            ("refused-400", "chat", 400, "invalid_request"),
+            ("refused-503", "chat", 503, "model_loading"),
+            ("refused-404", "completions", 404, "model_not_found"),
+        ):
+            ln = by_id[rid]
+            assert set(ln) == FIELDS, ln
+            assert (ln["endpoint"], ln["status"], ln["error_code"]) == (endpoint, status, code)
+            assert ln["outcome"] == "complete" and ln["model"] is None and ln["replica"] is None
         assert_no_user_data(json.dumps(lines))
+        assert "CANARY-MODEL" not in json.dumps(lines)
+
+
+async def _raw(gw: Gateway, data: bytes) -> trio.SocketStream:
+    host, port = host_port(gw)
+    sock = await trio.open_tcp_stream(host, port)
+    await sock.send_all(data)
+    return sock
+
+
+def _request(rid: str, content: str, *, stream: bool = False) -> bytes:
+    payload = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": content}], "stream": stream}
+    ).encode()
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"X-Request-Id: %b\r\nContent-Length: %d\r\n\r\n%b" % (rid.encode(), len(payload), payload)
+    )
+
+
+async def test_access_log_says_what_became_of_a_request_its_client_left(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue #31 (8): a client that left before the status line was logged with status 200 (or
+    not at all). Each request gets one line: 499 (nginx's "client closed request") when
+    nothing was answered, wherever the request was (body arriving, waiting for admission,
+    waiting for the engine); a body the HTTP layer refused is that refusal (400)."""
+    caplog.set_level(logging.INFO, logger="sieproxy.access")
+
+    def hook(s: Settings) -> None:
+        log_on(s)
+        s.gateway.replica_max_inflight = 1  # the second request waits for admission
+
+    with trio.fail_after(30):
+        engine = FakeEngine(script=script)
+        async with running_gateway(engine, settings_hook=hook, admission_wait=20.0) as gw:
+            # Waiting for the engine's first token (streamed, so admitted and running).
+            first = await _raw(gw, _request("gone-engine", "WAITFIRST", stream=True))
+            with trio.fail_after(5):
+                await engine.wait_for(lambda: len(engine.running) == 1)
+            # Waiting for admission behind it.
+            second = await _raw(gw, _request("gone-admission", "WAITFIRST"))
+            await trio.sleep(0.2)
+            assert len(engine.running) == 1
+            await second.aclose()
+            await trio.sleep(0.1)
+            await first.aclose()
+            with trio.fail_after(5):
+                await engine.wait_for(lambda: not engine.running)
+            # While its body was arriving.
+            third = await _raw(
+                gw,
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: gone-body\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"model\"",
+            )
+            await trio.sleep(0.2)
+            await third.aclose()
+            # A body the HTTP layer could not read (a bad chunk size after a good chunk).
+            fourth = await _raw(
+                gw,
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: bad-chunk\r\n"
+                b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"2\r\n{\"\r\nzz\r\n",
+            )
+            async with fourth:
+                answer = b""
+                while more := await fourth.receive_some(65536):
+                    answer += more
+            assert answer.startswith(b"HTTP/1.1 400 "), answer
+            with trio.move_on_after(5):  # the lines are checked below
+                while len(access_lines(caplog)) < 4:
+                    await trio.sleep(0.02)
+            await trio.sleep(0.1)
+            r = await gw.chat()  # still serving, and a complete request logs as one
+            assert r.status_code == 200
+        lines = access_lines(caplog)
+        by_id = {ln["request_id"]: ln for ln in lines}
+        done = r.headers["x-request-id"]
+        assert len(lines) == 5, lines
+        assert set(by_id) == {"gone-engine", "gone-admission", "gone-body", "bad-chunk", done}
+        for ln in lines:
+            assert set(ln) == FIELDS, ln
+        ran = by_id["gone-engine"]
+        assert (ran["status"], ran["outcome"], ran["error_code"]) == (499, "client_closed", None)
+        assert ran["model"] == MODEL and ran["abort_causes"] == {"client": 1}
+        assert ran["ttft_ms"] is None and ran["stream"] is True
+        for rid in ("gone-admission", "gone-body"):
+            ln = by_id[rid]
+            assert (ln["status"], ln["outcome"], ln["model"]) == (499, "client_closed", None), ln
+        bad = by_id["bad-chunk"]
+        assert (bad["status"], bad["outcome"], bad["error_code"]) == (
+            400,
+            "complete",
+            "invalid_request",
+        )
+        assert (by_id[done]["status"], by_id[done]["outcome"]) == (200, "complete")

@@ -8,12 +8,15 @@ gateway itself (same wiring as the harness).
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from engine.fake import Call, FakeEngine, Plan, default_tokens
@@ -38,7 +41,9 @@ class Served:
 async def gateway(engines: list[FakeEngine], **gw: Any) -> AsyncIterator[Served]:
     async with trio.open_nursery() as nursery:
         ports = [await nursery.start(e.serve) for e in engines]
+        access_log = gw.pop("access_log", False)
         settings = settings_for(ports, **gw)
+        settings.gateway.access_log = access_log
         app = build_app(settings)
         stop = trio.Event()
         done = trio.Event()
@@ -103,11 +108,14 @@ def all_rids(engines: list[FakeEngine]) -> set[str]:
     return {b["rid"] for e in engines for p, b in e.requests if p == "/generate"}
 
 
-async def test_graceful_shutdown_finishes_short_and_aborts_long() -> None:
+async def test_graceful_shutdown_finishes_short_and_aborts_long(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="sieproxy.access")
     with trio.fail_after(20):
         engines = [FakeEngine(script=script), FakeEngine(script=script)]
         grace = 1.5
-        async with gateway(engines, shutdown_grace=grace) as s:
+        async with gateway(engines, shutdown_grace=grace, access_log=True) as s:
             out: dict[str, Outcome] = {}
             async with trio.open_nursery() as nursery:
                 for i in range(2):
@@ -161,6 +169,19 @@ async def test_graceful_shutdown_finishes_short_and_aborts_long() -> None:
                     await e.wait_for(lambda e=e: not e.running)
             assert all(e.statistics().running == 0 for e in engines)
             assert not s.state.active
+
+            # The access log says which ones the shutdown cut, and that the unary one got no
+            # status line at all (444, as nginx logs a connection closed without a response).
+            access = [r for r in caplog.records if r.name == "sieproxy.access"]
+            lines = [json.loads(r.getMessage()) for r in access]
+            logged = {ln["request_id"]: (ln["status"], ln["outcome"]) for ln in lines}
+            assert {k: v for k, v in logged.items() if k in out} == {
+                "short0": (200, "complete"),
+                "short1": (200, "complete"),
+                "long0": (200, "cut"),
+                "long1": (200, "cut"),
+                "longunary": (444, "cut"),
+            }, lines
 
 
 async def test_shutdown_returns_as_soon_as_streams_finish() -> None:

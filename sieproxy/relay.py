@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import trio
 
-from .channels import put, take
+from .channels import take
 from .core.errors import (
     ClientStalled,
     EngineHTTPError,
@@ -264,6 +264,7 @@ class GenerationBody:
         "_shaper",
         "_terminal",
         "_timer",
+        "_unsent",
         "entered",
         "replica",
         "stats",
@@ -380,6 +381,9 @@ class GenerationBody:
         self._terminal = [False] * k  # the engine ended this candidate itself
         self._causes: list[str | None] = [None] * k
         self._aborted = [False] * k  # an /abort_request went out for this candidate
+        # The engine's finish of a candidate cancelled while its task waited to queue it (the
+        # channel was full): ``_settle`` hands it to the shaper in its place.
+        self._unsent: list[CandidateFinish | None] = [None] * k
         if self._il is not None:
             self._il = _Inline()
 
@@ -457,10 +461,11 @@ class GenerationBody:
         ``self.replica`` is the candidate's: a retry switches only after they all ended)."""
         cause = self._causes[i]
         if cause in ("stop", "best_of"):
-            # The gateway ended this candidate; the shaper still needs its finish, unless the
-            # engine's own finish was already read (a cancel can land after it was parsed:
-            # ``put`` does not checkpoint).
-            return None if self._terminal[i] else reader.local_finish()
+            # The gateway ended this candidate; the shaper still needs its finish: the engine's
+            # own if it was read (none if it is already in the channel: a cancel can land after
+            # it was queued; the engine's if the cancel landed while its task waited for room to
+            # queue it, ``_unsent``), else a local one.
+            return self._unsent[i] if self._terminal[i] else reader.local_finish()
         if cause == "stall":
             # The writer of this response was parked when the candidate was aborted: should the
             # client read again, the stream ends with an error event, not a silent cut.
@@ -546,10 +551,31 @@ class GenerationBody:
                 continue  # past [DONE]: read the body to its end so the connection is reused
             events, err = self._events(i, raw, decoder, reader)
             for ev in events:
-                await put(send, ev)  # the next upstream read is the checkpoint
+                try:
+                    send.send_nowait(ev)  # no yield: the next upstream read is the checkpoint
+                except trio.WouldBlock:
+                    await self._put_waiting(i, send, ev, events)
             if err is not None:
                 raise err
         _end_of_body(decoder, reader)
+
+    async def _put_waiting(
+        self,
+        i: int,
+        send: trio.MemorySendChannel[Event],
+        ev: Event,
+        events: list[Event],
+    ) -> None:
+        """Queue ``ev`` when the channel is full (the merger is behind). A cancel here drops
+        ``ev`` and what follows it; if that includes the engine's finish (always the read's
+        last event), it is kept for ``_settle``."""
+        try:
+            await send.send(ev)
+        except trio.Cancelled:
+            last = events[-1][1]
+            if isinstance(last, CandidateFinish):
+                self._unsent[i] = last
+            raise
 
     # ------------------------------------------------------------------ n = 1, inline
     async def open(self) -> bool:

@@ -495,6 +495,65 @@ async def test_n128_one_candidate_fails() -> None:
         await still_serves(gw)
 
 
+def _ranked_script(call: Call) -> Plan:
+    """Four tokens per candidate, named after it, each with the candidate's own logprob: the
+    scores are distinct, so the top ``n`` are known (``_score``)."""
+    k = int(call.rid.rsplit("-", 1)[1])
+    return Plan([f" c{k}t{j}" for j in range(4)], logprobs=[_score(k)] * 4)
+
+
+def _score(k: int) -> float:
+    return -((k * 37) % 128) / 64  # a permutation of 0..127 over the candidates
+
+
+async def test_best_of_128_all_finishing_together_returns_the_top_n() -> None:
+    """Regression: best_of = 128 with 4-token candidates answered 500 ("result requested
+    before every choice finished"): a loser cancelled while its task waited for room in the
+    full channel to queue the engine's finish lost that finish."""
+    engine = FakeEngine(script=_ranked_script)
+    async with running_gateway(engine) as gw:
+        for rid, n in (("bo128a", None), ("bo128b", 3)):
+            extra: dict[str, Any] = {"best_of": 128, "max_tokens": 4, "logprobs": True}
+            if n is not None:
+                extra["n"] = n
+            r = await post(gw, rid, **extra)
+            assert r.status_code == 200, r.text
+            choices = r.json()["choices"]
+            top = sorted(range(128), key=lambda k: -_score(k))[: n or 1]
+            assert [c["index"] for c in choices] == list(range(n or 1))
+            got = [c["message"]["content"] for c in choices]
+            assert got == ["".join(f" c{k}t{j}" for j in range(4)) for k in top]
+            assert all(c["finish_reason"] == "length" for c in choices)
+        await settled(engine)
+        at_most_one_abort(engine)
+        await still_serves(gw)
+
+
+async def test_n128_streamed_all_finishing_together() -> None:
+    """n = 128 streamed, 4-token candidates finishing in the same steps: every choice gets its
+    tokens and its closure chunk, then [DONE]."""
+    engine = FakeEngine(script=_ranked_script)
+    async with running_gateway(engine) as gw:
+        r = await post(gw, "st128", stream=True, n=128, max_tokens=4)
+        assert r.status_code == 200, r.text
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]"
+        chunks = [e for e in events[:-1] if isinstance(e, dict)]
+        assert not any("error" in e for e in chunks)
+        text: dict[int, str] = {}
+        reasons: dict[int, str] = {}
+        for e in chunks:
+            c = e["choices"][0]
+            text[c["index"]] = text.get(c["index"], "") + (c["delta"].get("content") or "")
+            if c["finish_reason"] is not None:
+                assert c["index"] not in reasons
+                reasons[c["index"]] = c["finish_reason"]
+        assert reasons == dict.fromkeys(range(128), "length")
+        assert text == {k: "".join(f" c{k}t{j}" for j in range(4)) for k in range(128)}
+        await settled(engine)
+        assert engine.aborts == []
+
+
 async def test_n4_all_finish_no_aborts() -> None:
     engine = FakeEngine()
     async with running_gateway(engine) as gw:

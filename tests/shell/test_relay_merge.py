@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from sieproxy.core.errors import EngineTimeout, EngineTruncated
 from sieproxy.core.events import CandidateDelta, CandidateFinish
@@ -79,6 +80,24 @@ async def test_deltas_drained_together_are_one_write() -> None:
     assert len(decode(frames)) == 5
 
 
+def _last_chunk() -> bytes:
+    """The engine's last chunk (finish ``length``) and ``[DONE]``, as one read."""
+    last = json.dumps(
+        {
+            "text": " done",
+            "output_ids": [7],
+            "meta_info": {
+                "id": "x-0",
+                "finish_reason": {"type": "length", "length": 1},
+                "prompt_tokens": 3,
+                "completion_tokens": 1,
+                "cached_tokens": 0,
+            },
+        }
+    )
+    return f"data: {last}\n\ndata: [DONE]\n\n".encode()
+
+
 class _OneFinishThenCancelled:
     """An upstream body: the engine's last chunk and ``[DONE]`` in one read; during the next
     read (the body is read to its end for connection reuse) the merger cancels the candidate."""
@@ -91,20 +110,7 @@ class _OneFinishThenCancelled:
     async def receive(self) -> bytes:
         self._reads += 1
         if self._reads == 1:
-            last = json.dumps(
-                {
-                    "text": " done",
-                    "output_ids": [7],
-                    "meta_info": {
-                        "id": "x-0",
-                        "finish_reason": {"type": "length", "length": 1},
-                        "prompt_tokens": 3,
-                        "completion_tokens": 1,
-                        "cached_tokens": 0,
-                    },
-                }
-            )
-            return f"data: {last}\n\ndata: [DONE]\n\n".encode()
+            return _last_chunk()
         self._body._cancel(0, self._cause)
         await trio.lowlevel.checkpoint()  # raises Cancelled
         return b""
@@ -144,6 +150,47 @@ async def test_a_cancel_after_the_engine_finished_sends_one_finish(cause: str) -
             events.append(ev[1])
     finishes = [e for e in events if isinstance(e, CandidateFinish)]
     assert len(finishes) == 1
+    assert finishes[0].reason == "length"  # the engine's, not a local abort
+    assert client.aborts == []  # the engine had finished: nothing to abort
+
+
+class _FinishThenSilence:
+    """An upstream body: the engine's last chunk and ``[DONE]`` in one read, then nothing."""
+
+    def __init__(self) -> None:
+        self._reads = 0
+
+    async def receive(self) -> bytes:
+        self._reads += 1
+        if self._reads == 1:
+            return _last_chunk()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("cause", ["best_of", "stop"])
+async def test_a_cancel_while_queueing_the_engines_finish_still_delivers_it(cause: str) -> None:
+    """Regression (best_of = 128 answered 500): a candidate cancelled as a best_of loser (or
+    for a stop string) while its task waited for room in the full channel to queue the
+    engine's finish dropped that finish; the choice never finished."""
+    body, _ = body_with_channel()
+    client = _Client(_FinishThenSilence())
+    body._client = client  # type: ignore[assignment]
+    body._scopes = [trio.CancelScope()]
+    body._reset_candidates()
+    send, recv = trio.open_memory_channel(0)  # type: ignore[var-annotated]
+    events: list[Any] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(body._candidate, 0, send)
+        await trio.testing.wait_all_tasks_blocked()  # parked queueing the delta: nobody reads
+        events.append((await recv.receive())[1])  # the delta; then parked on the finish
+        await trio.testing.wait_all_tasks_blocked()
+        body._cancel(0, cause)  # the merger names it a loser, in that very step
+        async with recv:
+            async for ev in recv:
+                events.append(ev[1])
+    finishes = [e for e in events if isinstance(e, CandidateFinish)]
+    assert len(finishes) == 1, events
     assert finishes[0].reason == "length"  # the engine's, not a local abort
     assert client.aborts == []  # the engine had finished: nothing to abort
 

@@ -10,7 +10,10 @@ first upstream event:
 
 * if the engine failed before producing anything, ``prime`` raises the error and the status line
   carries it (503 + Retry-After, 400, 500, ...) — after one retry on another ready replica when
-  the failure is retryable (nothing reached a model yet);
+  the failure is a server-side one that came without waiting (an engine that could not be
+  reached, an error status, a broken connection); never after a timeout (504): an engine that
+  took the request and then stayed silent for the token gap has reached a model, and a retry
+  would make the client wait for the gap a second time;
 * otherwise the status is 200 and the body streams (or, for non-streaming requests, ``prime``
   collects the whole answer first and the body is one JSON document).
 
@@ -975,8 +978,15 @@ class GenerationBody:
                 return out + self._shaper.end()
             except UpstreamError as exc:
                 # Nothing reached the client yet: a server-side failure is retried once on
-                # another ready replica; a refusal of the request itself (4xx) is not.
-                if retried or self._handled_any or not (exc.retryable or exc.status >= 500):
+                # another ready replica; a refusal of the request itself (4xx) is not, nor a
+                # timeout: the engine took the request (a model may be working on it) and the
+                # client already waited the whole gap or its deadline for it.
+                if (
+                    retried
+                    or self._handled_any
+                    or isinstance(exc, EngineTimeout)
+                    or not (exc.retryable or exc.status >= 500)
+                ):
                     raise
                 other = await self._other_replica()
                 if other is None:

@@ -129,6 +129,14 @@ async def post(gw: Gateway, rid: str, **extra: Any) -> httpx.Response:
 
 
 
+async def timed_post(gw: Gateway, rid: str, **extra: Any) -> tuple[httpx.Response, float]:
+    """``post``, and how long the answer took (within 8 s)."""
+    t0 = trio.current_time()
+    with trio.fail_after(8):
+        r = await gw.client.post(CHAT, json=chat_body(**extra), headers={"X-Request-Id": rid})
+    return r, trio.current_time() - t0
+
+
 def raw_request(body: dict[str, Any], rid: str) -> bytes:
     data = json.dumps(body).encode()
     return (
@@ -329,12 +337,7 @@ async def test_engine_hang_times_out_and_aborts(fault: Fault, after_chunk: bool,
     async with running_gateway(engine, token_gap_timeout=0.5) as gw:
         for stream in (False, True):
             rid = f"fault-hang{int(stream)}"
-            t0 = trio.current_time()
-            with trio.fail_after(8):
-                r = await gw.client.post(
-                    CHAT, json=chat_body(stream=stream, n=n), headers={"X-Request-Id": rid}
-                )
-            elapsed = trio.current_time() - t0
+            r, elapsed = await timed_post(gw, rid, stream=stream, n=n)
             assert elapsed < 5, f"answered after {elapsed:.1f}s with a 0.5s token gap"
             if stream and after_chunk:
                 assert r.status_code == 200
@@ -346,6 +349,33 @@ async def test_engine_hang_times_out_and_aborts(fault: Fault, after_chunk: bool,
             await aborted_once(engine, [f"{rid}-{i}" for i in range(n)])
             await settled(engine)
             await still_serves(gw)
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["inline", "channel"])
+@pytest.mark.parametrize(
+    "fault", [Fault.hang(before_headers=True), Fault.hang(0)], ids=["no_head", "head_only"]
+)
+async def test_a_hung_engine_is_not_retried_on_another_replica(fault: Fault, n: int) -> None:
+    """Regression: with two replicas, a request whose engine hung (before its head, or after
+    it with no token) was retried on the other replica once the gap passed and waited on
+    again: 504 after twice the timeout. A timed-out attempt reached a model: it is aborted and
+    the client gets 504 after one gap; the other replica never sees the request."""
+    engines = [FakeEngine(script=faulty(Plan(TOKENS, fault=fault))) for _ in range(2)]
+    gap = 0.6
+    async with running_gateway(engines, token_gap_timeout=gap) as gw:
+        for stream in (False, True):
+            rid = f"fault-hung{int(stream)}"
+            r, elapsed = await timed_post(gw, rid, stream=stream, n=n)
+            err = check_status_error(r, 504)
+            assert err["code"] == "upstream_timeout", err
+            assert elapsed < 1.5 * gap, f"504 after {elapsed:.2f}s with a {gap}s token gap"
+            asked = [e for e in engines if any(x.startswith(rid) for x in generate_rids(e))]
+            assert len(asked) == 1, "the hung request was retried on the other replica"
+            await aborted_once(asked[0], [f"{rid}-{i}" for i in range(n)])
+            await settled(asked[0])
+        for e in engines:
+            e.script = DefaultScript()
+        await still_serves(gw)
 
 
 # ---- the client goes away --------------------------------------------------------------------

@@ -150,7 +150,9 @@ class _Inline:
     resp: UpstreamResponse | None = None
     reader: GenerateReader | None = None
     decoder: SSEDecoder | None = None
-    last: float = 0.0  # when the engine last sent bytes (the gap limit counts from there)
+    # When the engine last sent bytes, moved later by the time spent in client writes since
+    # (the gap limit counts from there: the engine's silence only, ``client_write``).
+    last: float = 0.0
     opened: bool = False  # the engine may be generating this rid
     ended: bool = False
     # WaitTimer state: the holder of this reader's entry in the timer's heap while it has one
@@ -557,7 +559,9 @@ class GenerationBody:
                 try:
                     send.send_nowait(ev)  # no yield: the next upstream read is the checkpoint
                 except trio.WouldBlock:
-                    await self._put_waiting(i, send, ev, events)
+                    await self._put_waiting(i, send, scope, ev, events)
+                    moved = clock() + gap  # the gap counts again from the end of the wait
+                    scope.deadline = min(end, moved)
             if err is not None:
                 raise err
         _end_of_body(decoder, reader)
@@ -566,12 +570,17 @@ class GenerationBody:
         self,
         i: int,
         send: trio.MemorySendChannel[Event],
+        scope: trio.CancelScope,
         ev: Event,
         events: list[Event],
     ) -> None:
-        """Queue ``ev`` when the channel is full (the merger is behind). A cancel here drops
-        ``ev`` and what follows it; if that includes the engine's finish (always the read's
-        last event), it is kept for ``_settle``."""
+        """Queue ``ev`` when the channel is full: the merger is behind, held by a client that
+        reads slower than the engine writes. The token gap measures the engine's silence, so it
+        is lifted while this task waits (the request deadline still bounds the wait, and a
+        client that stopped reading is the stall sweeper's to report); the caller restarts it.
+        A cancel here drops ``ev`` and what follows it; if that includes the engine's finish
+        (always the read's last event), it is kept for ``_settle``."""
+        scope.deadline = self._deadline
         try:
             await send.send(ev)
         except trio.Cancelled:
@@ -708,12 +717,15 @@ class GenerationBody:
                         if fd < 0:
                             await resp.wait_readable()  # a fired timer: EngineTruncated, below
                         else:
-                            assert pump is not None and il.out is not None
+                            assert pump is not None
                             await pump.park(fd, self)  # the pump relays what it can
-                            if il.out.pending:
-                                await self._flush(il.out)
                     finally:
                         il.waiting = False
+                    if il.out is not None and il.out.pending:
+                        # The pump's write did not complete: this is a client write, not a wait
+                        # for the engine, so the timer must not close the engine's connection
+                        # under it (and its time does not count in the gap, ``client_write``).
+                        await self._flush(il.out)
                     if self._causes[0] is not None:  # the pump matched a stop string
                         return await self._inline_end(None)
                     continue
@@ -807,12 +819,24 @@ class GenerationBody:
 
     async def client_write(self, sending: Awaitable[_T]) -> _T:
         """Await ``sending``, a write to the client, as a parked write: while it waits, the
-        stall sweeper sees since when (``writing_since``, ``check_stall``)."""
-        self.writing_since = trio.current_time()
+        stall sweeper sees since when (``writing_since``, ``check_stall``).
+
+        The token gap measures the engine's silence only: the time an inline reader spends in
+        a client write does not count (a client that reads slowly blocks the write, and the
+        engine, unread meanwhile, may be blocked by TCP in turn). The gap clock is paused for
+        the write's duration (``_Inline.last`` moves later by it), so the wait timer does not
+        take a slow client for a silent engine; a client that stops reading is reported as
+        stalled, by the stall sweeper, whatever the two limits are. (Candidates of a channel
+        lift their gap while their queue is full instead, ``_put_waiting``.)"""
+        now = self._now  # the run's clock: cheaper than ``trio.current_time``
+        since = self.writing_since = now()
         try:
             return await sending
         finally:
             self.writing_since = None
+            il = self._il
+            if il is not None:
+                il.last += now() - since
 
     async def _inline_end(self, err: GatewayError | None) -> list[Event]:
         """End the inline candidate: abort it upstream if the engine may still be generating,

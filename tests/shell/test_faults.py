@@ -137,6 +137,22 @@ async def timed_post(gw: Gateway, rid: str, **extra: Any) -> tuple[httpx.Respons
     return r, trio.current_time() - t0
 
 
+async def small_window_client(gw: Gateway) -> trio.SocketStream:
+    """A raw connection to the gateway with a 4 KiB receive buffer (it fills at once when the
+    client stops reading)."""
+    host, port = host_port(gw)
+    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    await sock.connect((host, port))
+    return trio.SocketStream(sock)
+
+
+def big_tokens(count: int, itl: float = 0.0) -> Callable[[Call], Plan]:
+    """``count`` tokens of 2 kB each, ``itl`` apart."""
+    big = "x" * 2000
+    return lambda c: Plan([big + str(k) for k in range(count)], itl=itl)
+
+
 def raw_request(body: dict[str, Any], rid: str) -> bytes:
     data = json.dumps(body).encode()
     return (
@@ -466,16 +482,9 @@ async def test_client_cancels_non_streaming_request() -> None:
 async def test_client_that_reads_nothing_gets_upstream_aborted() -> None:
     """A client that stops reading: after client_stall_timeout the candidates are aborted,
     even though the gateway's write to the socket is still parked."""
-    big = "x" * 2000
-    engine = FakeEngine(
-        script=faulty(lambda c: Plan([big + str(k) for k in range(20_000)], itl=0.0005))
-    )
+    engine = FakeEngine(script=faulty(big_tokens(20_000, itl=0.0005)))
     async with running_gateway(engine, client_stall_timeout=0.5) as gw:
-        host, port = host_port(gw)
-        sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        await sock.connect((host, port))
-        stream = trio.SocketStream(sock)
+        stream = await small_window_client(gw)
         try:
             body = chat_body(stream=True, max_tokens=20_000)
             await stream.send_all(raw_request(body, "fault-stall"))
@@ -487,6 +496,74 @@ async def test_client_that_reads_nothing_gets_upstream_aborted() -> None:
             assert "fault-stall-0" not in engine.finished
             assert Counter(engine.aborts)["fault-stall-0"] == 1
             assert took < 15, took
+        finally:
+            await stream.aclose()
+        await still_serves(gw)
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["inline", "channel"])
+async def test_a_stalled_client_is_not_an_engine_timeout(n: int) -> None:
+    """Regression: with token_gap_timeout at or below client_stall_timeout, a client that
+    stops reading was reported as an engine timeout (abort cause ``timeout``, an
+    ``upstream_timeout`` error): the gap clock ran while the gateway was blocked writing to
+    the client. The gap measures the engine's silence only; the client is reported as
+    stalled, after client_stall_timeout, whatever the two settings are."""
+    engine = FakeEngine(script=faulty(big_tokens(20_000, itl=0.0005)))
+    gap, stall = 0.4, 1.2
+    async with running_gateway(
+        engine, token_gap_timeout=gap, client_stall_timeout=stall
+    ) as gw:
+        stream = await small_window_client(gw)
+        rids = [f"fault-slow-{i}" for i in range(n)]
+        try:
+            body = chat_body(stream=True, n=n, max_tokens=20_000)
+            await stream.send_all(raw_request(body, "fault-slow"))
+            t0 = trio.current_time()
+            with trio.fail_after(20):
+                await engine.wait_for(lambda: all(r in engine.aborts for r in rids))
+            took = trio.current_time() - t0
+            assert took >= stall * 0.9, f"aborted after {took:.2f}s, before the stall limit"
+            got = bytearray()
+            with trio.fail_after(20):  # the client reads again: the rest, then the end
+                while b"data: [DONE]" not in got:
+                    data = await stream.receive_some(65536)
+                    assert data, "the gateway closed the stream without [DONE]"
+                    got += data
+            assert b'"code":"client_stalled"' in got
+            assert b"upstream_timeout" not in got
+            await settled(engine)
+            assert Counter(engine.aborts) == Counter(rids)
+        finally:
+            await stream.aclose()
+        await still_serves(gw)
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["inline", "channel"])
+async def test_a_slow_client_does_not_use_up_the_engines_gap(n: int) -> None:
+    """Regression: a client that paused reading for longer than token_gap_timeout (and less
+    than client_stall_timeout) got an ``upstream_timeout`` error from an engine that was never
+    silent: the gateway's blocked write counted in the gap. The stream now ends normally."""
+    tokens = 400
+    engine = FakeEngine(script=faulty(big_tokens(tokens)))
+    gap, stall = 0.4, 5.0
+    async with running_gateway(
+        engine, token_gap_timeout=gap, client_stall_timeout=stall
+    ) as gw:
+        stream = await small_window_client(gw)
+        try:
+            body = chat_body(stream=True, n=n, max_tokens=tokens)
+            await stream.send_all(raw_request(body, "fault-pause"))
+            got = bytearray(await stream.receive_some(4096))
+            await trio.sleep(3 * gap)  # the gateway's writes block meanwhile
+            with trio.fail_after(20):
+                while not got.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+                    data = await stream.receive_some(65536)
+                    assert data, "the gateway closed the stream without [DONE]"
+                    got += data
+            assert b'"error"' not in got, bytes(got[-400:])
+            assert got.count(b'"finish_reason":"length"') == n
+            await settled(engine)
+            assert engine.aborts == []
         finally:
             await stream.aclose()
         await still_serves(gw)

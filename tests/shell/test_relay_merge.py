@@ -10,6 +10,7 @@ client lost the last tokens before the error event.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -22,7 +23,7 @@ from sieproxy.core.errors import EngineTimeout, EngineTruncated
 from sieproxy.core.events import CandidateDelta, CandidateFinish
 from sieproxy.core.merger import ChatStream
 from sieproxy.pool import ModelPool, RouteHints
-from sieproxy.relay import GenerationBody, RequestStats
+from sieproxy.relay import GenerationBody, RequestStats, WaitTimer
 from sieproxy.settings import EngineSpec, GatewaySettings
 from tests.core.test_merger import CREATED, chat, decode
 
@@ -395,3 +396,67 @@ async def test_an_inline_head_that_never_comes_ends_at_the_deadline_or_the_gap(
     assert client.head_timeouts == [pytest.approx(min(deadline, gap))]
     assert trio.current_time() - start == pytest.approx(min(deadline, gap))
     assert client.aborts == ["x-0"] and body.stats.abort_causes == {cause: 1}
+
+
+async def _blocked_write(seconds: float) -> None:
+    """A client write that the socket does not take for ``seconds``."""
+    await trio.sleep(seconds)
+
+
+class _Timed:
+    """An upstream body whose reads become readable at scripted times; closing it (the wait
+    timer firing) wakes a waiting reader, whose next read then fails, as a socket's would."""
+
+    def __init__(self, reads: list[tuple[float, bytes]]) -> None:
+        self.reads = list(reads)
+        self.closed = trio.Event()
+
+    def receive_nowait(self) -> bytes | None:
+        if self.closed.is_set():
+            raise EngineTruncated()
+        if not self.reads:
+            return b""
+        at, data = self.reads[0]
+        if trio.current_time() < at:
+            return None
+        self.reads.pop(0)
+        return data
+
+    async def wait_readable(self) -> None:
+        with trio.move_on_at(self.reads[0][0] if self.reads else -math.inf):
+            await self.closed.wait()
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+@pytest.mark.parametrize("with_timer", [False, True], ids=["cancel-scope", "wait-timer"])
+async def test_inline_gap_does_not_count_a_blocked_client_write(
+    autojump_clock: Any, with_timer: bool
+) -> None:
+    """Regression: the inline reader's token gap counted the time the response spent blocked
+    writing to a slow client, so an engine silent for less than the gap after a long write was
+    timed out at once. The write's time now pauses the gap clock: with a gap of 10 s, a write
+    blocked for 15 s and a token 3 s after it, the stream goes on; the gap still fires after
+    10 s of the engine's real silence."""
+    gap = 10.0
+    t0 = trio.current_time()
+    resp = _Timed([(t0, sse(" a", 1)), (t0 + 18, sse(" b", 2)), (t0 + 40, sse(" c", 3))])
+    body = make_body(1, _Client(resp))
+    body.replica.incremental = True
+    body._g.token_gap_timeout = gap
+    async with trio.open_nursery() as nursery:
+        if with_timer:
+            timer = WaitTimer()
+            nursery.start_soon(timer.run)
+            await trio.testing.wait_all_tasks_blocked()
+            body._timer = timer
+        async with body:
+            assert contents(decode(await body.prime())) == " a"
+            await body.client_write(_blocked_write(15))  # the client does not read meanwhile
+            assert contents(decode(await body.__anext__())) == " b"  # at 18 s: 3 s of silence
+            assert trio.current_time() - t0 == pytest.approx(18)
+            tail = decode(await body.__anext__())  # then 22 s of silence: the gap fires
+        assert tail[0]["error"]["code"] == "upstream_timeout"
+        assert trio.current_time() - t0 == pytest.approx(18 + gap, abs=0.5)
+        nursery.cancel_scope.cancel()

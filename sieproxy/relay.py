@@ -10,7 +10,10 @@ first upstream event:
 
 * if the engine failed before producing anything, ``prime`` raises the error and the status line
   carries it (503 + Retry-After, 400, 500, ...) — after one retry on another ready replica when
-  the failure is retryable (nothing reached a model yet);
+  the failure is a server-side one that came without waiting (an engine that could not be
+  reached, an error status, a broken connection); never after a timeout (504): an engine that
+  took the request and then stayed silent for the token gap has reached a model, and a retry
+  would make the client wait for the gap a second time;
 * otherwise the status is 200 and the body streams (or, for non-streaming requests, ``prime``
   collects the whole answer first and the body is one JSON document).
 
@@ -54,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import trio
 
-from .channels import put, take
+from .channels import take
 from .core.errors import (
     ClientStalled,
     EngineHTTPError,
@@ -151,7 +154,9 @@ class _Inline:
     resp: UpstreamResponse | None = None
     reader: GenerateReader | None = None
     decoder: SSEDecoder | None = None
-    last: float = 0.0  # when the engine last sent bytes (the gap limit counts from there)
+    # When the engine last sent bytes, moved later by the time spent in client writes since
+    # (the gap limit counts from there: the engine's silence only, ``client_write``).
+    last: float = 0.0
     opened: bool = False  # the engine may be generating this rid
     ended: bool = False
     # WaitTimer state: the holder of this reader's entry in the timer's heap while it has one
@@ -268,6 +273,7 @@ class GenerationBody:
         "_shaper",
         "_terminal",
         "_timer",
+        "_unsent",
         "entered",
         "replica",
         "stats",
@@ -384,6 +390,9 @@ class GenerationBody:
         self._terminal = [False] * k  # the engine ended this candidate itself
         self._causes: list[str | None] = [None] * k
         self._aborted = [False] * k  # an /abort_request went out for this candidate
+        # The engine's finish of a candidate cancelled while its task waited to queue it (the
+        # channel was full): ``_settle`` hands it to the shaper in its place.
+        self._unsent: list[CandidateFinish | None] = [None] * k
         if self._il is not None:
             self._il = _Inline()
 
@@ -461,10 +470,11 @@ class GenerationBody:
         ``self.replica`` is the candidate's: a retry switches only after they all ended)."""
         cause = self._causes[i]
         if cause in ("stop", "best_of"):
-            # The gateway ended this candidate; the shaper still needs its finish, unless the
-            # engine's own finish was already read (a cancel can land after it was parsed:
-            # ``put`` does not checkpoint).
-            return None if self._terminal[i] else reader.local_finish()
+            # The gateway ended this candidate; the shaper still needs its finish: the engine's
+            # own if it was read (none if it is already in the channel: a cancel can land after
+            # it was queued; the engine's if the cancel landed while its task waited for room to
+            # queue it, ``_unsent``), else a local one.
+            return self._unsent[i] if self._terminal[i] else reader.local_finish()
         if cause == "stall":
             # The writer of this response was parked when the candidate was aborted: should the
             # client read again, the stream ends with an error event, not a silent cut.
@@ -550,10 +560,38 @@ class GenerationBody:
                 continue  # past [DONE]: read the body to its end so the connection is reused
             events, err = self._events(i, raw, decoder, reader)
             for ev in events:
-                await put(send, ev)  # the next upstream read is the checkpoint
+                try:
+                    send.send_nowait(ev)  # no yield: the next upstream read is the checkpoint
+                except trio.WouldBlock:
+                    await self._put_waiting(i, send, scope, ev, events)
+                    moved = clock() + gap  # the gap counts again from the end of the wait
+                    scope.deadline = min(end, moved)
             if err is not None:
                 raise err
         _end_of_body(decoder, reader)
+
+    async def _put_waiting(
+        self,
+        i: int,
+        send: trio.MemorySendChannel[Event],
+        scope: trio.CancelScope,
+        ev: Event,
+        events: list[Event],
+    ) -> None:
+        """Queue ``ev`` when the channel is full: the merger is behind, held by a client that
+        reads slower than the engine writes. The token gap measures the engine's silence, so it
+        is lifted while this task waits (the request deadline still bounds the wait, and a
+        client that stopped reading is the stall sweeper's to report); the caller restarts it.
+        A cancel here drops ``ev`` and what follows it; if that includes the engine's finish
+        (always the read's last event), it is kept for ``_settle``."""
+        scope.deadline = self._deadline
+        try:
+            await send.send(ev)
+        except trio.Cancelled:
+            last = events[-1][1]
+            if isinstance(last, CandidateFinish):
+                self._unsent[i] = last
+            raise
 
     # ------------------------------------------------------------------ n = 1, inline
     async def open(self) -> bool:
@@ -683,12 +721,15 @@ class GenerationBody:
                         if fd < 0:
                             await resp.wait_readable()  # a fired timer: EngineTruncated, below
                         else:
-                            assert pump is not None and il.out is not None
+                            assert pump is not None
                             await pump.park(fd, self)  # the pump relays what it can
-                            if il.out.pending:
-                                await self._flush(il.out)
                     finally:
                         il.waiting = False
+                    if il.out is not None and il.out.pending:
+                        # The pump's write did not complete: this is a client write, not a wait
+                        # for the engine, so the timer must not close the engine's connection
+                        # under it (and its time does not count in the gap, ``client_write``).
+                        await self._flush(il.out)
                     if self._causes[0] is not None:  # the pump matched a stop string
                         return await self._inline_end(None)
                     continue
@@ -782,12 +823,24 @@ class GenerationBody:
 
     async def client_write(self, sending: Awaitable[_T]) -> _T:
         """Await ``sending``, a write to the client, as a parked write: while it waits, the
-        stall sweeper sees since when (``writing_since``, ``check_stall``)."""
-        self.writing_since = trio.current_time()
+        stall sweeper sees since when (``writing_since``, ``check_stall``).
+
+        The token gap measures the engine's silence only: the time an inline reader spends in
+        a client write does not count (a client that reads slowly blocks the write, and the
+        engine, unread meanwhile, may be blocked by TCP in turn). The gap clock is paused for
+        the write's duration (``_Inline.last`` moves later by it), so the wait timer does not
+        take a slow client for a silent engine; a client that stops reading is reported as
+        stalled, by the stall sweeper, whatever the two limits are. (Candidates of a channel
+        lift their gap while their queue is full instead, ``_put_waiting``.)"""
+        now = self._now  # the run's clock: cheaper than ``trio.current_time``
+        since = self.writing_since = now()
         try:
             return await sending
         finally:
             self.writing_since = None
+            il = self._il
+            if il is not None:
+                il.last += now() - since
 
     async def _inline_end(self, err: GatewayError | None) -> list[Event]:
         """End the inline candidate: abort it upstream if the engine may still be generating,
@@ -953,8 +1006,15 @@ class GenerationBody:
                 return out + self._shaper.end()
             except UpstreamError as exc:
                 # Nothing reached the client yet: a server-side failure is retried once on
-                # another ready replica; a refusal of the request itself (4xx) is not.
-                if retried or self._handled_any or not (exc.retryable or exc.status >= 500):
+                # another ready replica; a refusal of the request itself (4xx) is not, nor a
+                # timeout: the engine took the request (a model may be working on it) and the
+                # client already waited the whole gap or its deadline for it.
+                if (
+                    retried
+                    or self._handled_any
+                    or isinstance(exc, EngineTimeout)
+                    or not (exc.retryable or exc.status >= 500)
+                ):
                     raise
                 other = await self._other_replica()
                 if other is None:

@@ -471,6 +471,55 @@ def test_best_of_losers_and_tie_on_index() -> None:
     assert c["message"]["content"] == "c"
 
 
+@pytest.mark.parametrize("n", [1, 5, 128])
+@pytest.mark.parametrize("seed", range(3))
+def test_best_of_128_every_candidate_finishing_in_one_step(n: int, seed: int) -> None:
+    """best_of at its bound (128), 4-token candidates, driven as the relay drives it: the
+    losers are asked for after every event; a named loser whose engine finish is already in
+    flight gets that finish, the others a local abort finish (the relay's ``_settle``) after
+    whatever of theirs was already queued. Every candidate's last token and finish arrive in
+    the same step, in a random order. The body returns the top ``n``, never a named loser."""
+    rng = random.Random(seed)
+    valid = chat(n, best_of=128, stream=False)
+    coll = ChatCollector(valid, response_id="x", model="m", created=CREATED)
+    score = [-((k * 37) % 128) / 64 for k in range(128)]  # per token; distinct per candidate
+    queue: list[tuple[int, CandidateDelta | CandidateFinish]] = []
+    for t in range(3):  # the first three tokens, interleaved
+        step = [(k, CandidateDelta(f"c{k}t{t}", t + 1, [TokenLogprob("x", 1, score[k])]))
+                for k in range(128)]
+        rng.shuffle(step)
+        queue += step
+    last: list[tuple[int, CandidateDelta | CandidateFinish]] = []
+    for k in rng.sample(range(128), 128):  # the last token and the finish: one step
+        last.append((k, CandidateDelta(f"c{k}t3", 4, [TokenLogprob("x", 1, score[k])])))
+        last.append((k, CandidateFinish("length", None, 3, 4)))
+    queue += last
+    named: set[int] = set()
+    while queue:
+        k, ev = queue.pop(0)
+        if isinstance(ev, CandidateFinish):
+            coll.on_finish(k, ev)
+        else:
+            coll.on_delta(k, ev)
+        for j in coll.losers():
+            assert j not in named and not coll.finished(j)
+            named.add(j)
+            # Its task is cancelled: what it queued already still arrives; if the engine's
+            # finish was among it, nothing more, else a local finish after it.
+            if not any(i == j and isinstance(e, CandidateFinish) for i, e in queue):
+                queue = [(i, e) for i, e in queue if i != j]
+                queue.append((j, CandidateFinish("abort", None, 3, 4)))
+    body = json.loads(coll.result())
+    # best_of = n keeps the candidates' order (nothing to choose)
+    top = sorted(range(128), key=lambda k: (-score[k], k))[:n] if n < 128 else list(range(128))
+    assert not named & set(top)
+    assert [c["index"] for c in body["choices"]] == list(range(n))
+    assert [c["message"]["content"] for c in body["choices"]] == [
+        "".join(f"c{k}t{t}" for t in range(4)) for k in top
+    ]
+    assert len(named) <= 128 - n
+
+
 def test_best_of_equal_n_keeps_order() -> None:
     valid = chat(2, best_of=2, stream=False)
     coll = ChatCollector(valid, response_id="x", model="m", created=CREATED)

@@ -129,6 +129,30 @@ async def post(gw: Gateway, rid: str, **extra: Any) -> httpx.Response:
 
 
 
+async def timed_post(gw: Gateway, rid: str, **extra: Any) -> tuple[httpx.Response, float]:
+    """``post``, and how long the answer took (within 8 s)."""
+    t0 = trio.current_time()
+    with trio.fail_after(8):
+        r = await gw.client.post(CHAT, json=chat_body(**extra), headers={"X-Request-Id": rid})
+    return r, trio.current_time() - t0
+
+
+async def small_window_client(gw: Gateway) -> trio.SocketStream:
+    """A raw connection to the gateway with a 4 KiB receive buffer (it fills at once when the
+    client stops reading)."""
+    host, port = host_port(gw)
+    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    await sock.connect((host, port))
+    return trio.SocketStream(sock)
+
+
+def big_tokens(count: int, itl: float = 0.0) -> Callable[[Call], Plan]:
+    """``count`` tokens of 2 kB each, ``itl`` apart."""
+    big = "x" * 2000
+    return lambda c: Plan([big + str(k) for k in range(count)], itl=itl)
+
+
 def raw_request(body: dict[str, Any], rid: str) -> bytes:
     data = json.dumps(body).encode()
     return (
@@ -329,12 +353,7 @@ async def test_engine_hang_times_out_and_aborts(fault: Fault, after_chunk: bool,
     async with running_gateway(engine, token_gap_timeout=0.5) as gw:
         for stream in (False, True):
             rid = f"fault-hang{int(stream)}"
-            t0 = trio.current_time()
-            with trio.fail_after(8):
-                r = await gw.client.post(
-                    CHAT, json=chat_body(stream=stream, n=n), headers={"X-Request-Id": rid}
-                )
-            elapsed = trio.current_time() - t0
+            r, elapsed = await timed_post(gw, rid, stream=stream, n=n)
             assert elapsed < 5, f"answered after {elapsed:.1f}s with a 0.5s token gap"
             if stream and after_chunk:
                 assert r.status_code == 200
@@ -346,6 +365,34 @@ async def test_engine_hang_times_out_and_aborts(fault: Fault, after_chunk: bool,
             await aborted_once(engine, [f"{rid}-{i}" for i in range(n)])
             await settled(engine)
             await still_serves(gw)
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["inline", "channel"])
+@pytest.mark.parametrize(
+    "fault", [Fault.hang(before_headers=True), Fault.hang(0)], ids=["no_head", "head_only"]
+)
+async def test_a_hung_engine_is_not_retried_on_another_replica(fault: Fault, n: int) -> None:
+    """Regression: with two replicas, a request whose engine hung (before its head, or after
+    it with no token) was retried on the other replica once the gap passed and waited on
+    again: 504 after twice the timeout. A timed-out attempt reached a model: it is aborted and
+    the client gets 504 after one gap; the other replica never sees the request."""
+    engines = [FakeEngine(script=faulty(Plan(TOKENS, fault=fault))) for _ in range(2)]
+    gap = 0.6
+    async with running_gateway(engines, token_gap_timeout=gap) as gw:
+        for stream in (False, True):
+            rid = f"fault-hung{int(stream)}"
+            r, elapsed = await timed_post(gw, rid, stream=stream, n=n)
+            err = check_status_error(r, 504)
+            assert err["code"] == "upstream_timeout", err
+            # one gap and some (a retry would take two: 2.04 x before the change)
+            assert elapsed < 1.7 * gap, f"504 after {elapsed:.2f}s with a {gap}s token gap"
+            asked = [e for e in engines if any(x.startswith(rid) for x in generate_rids(e))]
+            assert len(asked) == 1, "the hung request was retried on the other replica"
+            await aborted_once(asked[0], [f"{rid}-{i}" for i in range(n)])
+            await settled(asked[0])
+        for e in engines:
+            e.script = DefaultScript()
+        await still_serves(gw)
 
 
 # ---- the client goes away --------------------------------------------------------------------
@@ -436,16 +483,9 @@ async def test_client_cancels_non_streaming_request() -> None:
 async def test_client_that_reads_nothing_gets_upstream_aborted() -> None:
     """A client that stops reading: after client_stall_timeout the candidates are aborted,
     even though the gateway's write to the socket is still parked."""
-    big = "x" * 2000
-    engine = FakeEngine(
-        script=faulty(lambda c: Plan([big + str(k) for k in range(20_000)], itl=0.0005))
-    )
+    engine = FakeEngine(script=faulty(big_tokens(20_000, itl=0.0005)))
     async with running_gateway(engine, client_stall_timeout=0.5) as gw:
-        host, port = host_port(gw)
-        sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        await sock.connect((host, port))
-        stream = trio.SocketStream(sock)
+        stream = await small_window_client(gw)
         try:
             body = chat_body(stream=True, max_tokens=20_000)
             await stream.send_all(raw_request(body, "fault-stall"))
@@ -457,6 +497,74 @@ async def test_client_that_reads_nothing_gets_upstream_aborted() -> None:
             assert "fault-stall-0" not in engine.finished
             assert Counter(engine.aborts)["fault-stall-0"] == 1
             assert took < 15, took
+        finally:
+            await stream.aclose()
+        await still_serves(gw)
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["inline", "channel"])
+async def test_a_stalled_client_is_not_an_engine_timeout(n: int) -> None:
+    """Regression: with token_gap_timeout at or below client_stall_timeout, a client that
+    stops reading was reported as an engine timeout (abort cause ``timeout``, an
+    ``upstream_timeout`` error): the gap clock ran while the gateway was blocked writing to
+    the client. The gap measures the engine's silence only; the client is reported as
+    stalled, after client_stall_timeout, whatever the two settings are."""
+    engine = FakeEngine(script=faulty(big_tokens(20_000, itl=0.0005)))
+    gap, stall = 0.4, 1.2
+    async with running_gateway(
+        engine, token_gap_timeout=gap, client_stall_timeout=stall
+    ) as gw:
+        stream = await small_window_client(gw)
+        rids = [f"fault-slow-{i}" for i in range(n)]
+        try:
+            body = chat_body(stream=True, n=n, max_tokens=20_000)
+            await stream.send_all(raw_request(body, "fault-slow"))
+            t0 = trio.current_time()
+            with trio.fail_after(20):
+                await engine.wait_for(lambda: all(r in engine.aborts for r in rids))
+            took = trio.current_time() - t0
+            assert took >= stall * 0.9, f"aborted after {took:.2f}s, before the stall limit"
+            got = bytearray()
+            with trio.fail_after(20):  # the client reads again: the rest, then the end
+                while b"data: [DONE]" not in got:
+                    data = await stream.receive_some(65536)
+                    assert data, "the gateway closed the stream without [DONE]"
+                    got += data
+            assert b'"code":"client_stalled"' in got
+            assert b"upstream_timeout" not in got
+            await settled(engine)
+            assert Counter(engine.aborts) == Counter(rids)
+        finally:
+            await stream.aclose()
+        await still_serves(gw)
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["inline", "channel"])
+async def test_a_slow_client_does_not_use_up_the_engines_gap(n: int) -> None:
+    """Regression: a client that paused reading for longer than token_gap_timeout (and less
+    than client_stall_timeout) got an ``upstream_timeout`` error from an engine that was never
+    silent: the gateway's blocked write counted in the gap. The stream now ends normally."""
+    tokens = 400
+    engine = FakeEngine(script=faulty(big_tokens(tokens)))
+    gap, stall = 0.6, 5.0
+    async with running_gateway(
+        engine, token_gap_timeout=gap, client_stall_timeout=stall
+    ) as gw:
+        stream = await small_window_client(gw)
+        try:
+            body = chat_body(stream=True, n=n, max_tokens=tokens)
+            await stream.send_all(raw_request(body, "fault-pause"))
+            got = bytearray(await stream.receive_some(4096))
+            await trio.sleep(2.5 * gap)  # the gateway's writes block meanwhile
+            with trio.fail_after(20):
+                while not got.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+                    data = await stream.receive_some(65536)
+                    assert data, "the gateway closed the stream without [DONE]"
+                    got += data
+            assert b'"error"' not in got, bytes(got[-400:])
+            assert got.count(b'"finish_reason":"length"') == n
+            await settled(engine)
+            assert engine.aborts == []
         finally:
             await stream.aclose()
         await still_serves(gw)
@@ -493,6 +601,65 @@ async def test_n128_one_candidate_fails() -> None:
         assert counts["fan-77"] <= 1
         assert set(counts) <= set(rids)
         await still_serves(gw)
+
+
+def _ranked_script(call: Call) -> Plan:
+    """Four tokens per candidate, named after it, each with the candidate's own logprob: the
+    scores are distinct, so the top ``n`` are known (``_score``)."""
+    k = int(call.rid.rsplit("-", 1)[1])
+    return Plan([f" c{k}t{j}" for j in range(4)], logprobs=[_score(k)] * 4)
+
+
+def _score(k: int) -> float:
+    return -((k * 37) % 128) / 64  # a permutation of 0..127 over the candidates
+
+
+async def test_best_of_128_all_finishing_together_returns_the_top_n() -> None:
+    """Regression: best_of = 128 with 4-token candidates answered 500 ("result requested
+    before every choice finished"): a loser cancelled while its task waited for room in the
+    full channel to queue the engine's finish lost that finish."""
+    engine = FakeEngine(script=_ranked_script)
+    async with running_gateway(engine) as gw:
+        for rid, n in (("bo128a", None), ("bo128b", 3)):
+            extra: dict[str, Any] = {"best_of": 128, "max_tokens": 4, "logprobs": True}
+            if n is not None:
+                extra["n"] = n
+            r = await post(gw, rid, **extra)
+            assert r.status_code == 200, r.text
+            choices = r.json()["choices"]
+            top = sorted(range(128), key=lambda k: -_score(k))[: n or 1]
+            assert [c["index"] for c in choices] == list(range(n or 1))
+            got = [c["message"]["content"] for c in choices]
+            assert got == ["".join(f" c{k}t{j}" for j in range(4)) for k in top]
+            assert all(c["finish_reason"] == "length" for c in choices)
+        await settled(engine)
+        at_most_one_abort(engine)
+        await still_serves(gw)
+
+
+async def test_n128_streamed_all_finishing_together() -> None:
+    """n = 128 streamed, 4-token candidates finishing in the same steps: every choice gets its
+    tokens and its closure chunk, then [DONE]."""
+    engine = FakeEngine(script=_ranked_script)
+    async with running_gateway(engine) as gw:
+        r = await post(gw, "st128", stream=True, n=128, max_tokens=4)
+        assert r.status_code == 200, r.text
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]"
+        chunks = [e for e in events[:-1] if isinstance(e, dict)]
+        assert not any("error" in e for e in chunks)
+        text: dict[int, str] = {}
+        reasons: dict[int, str] = {}
+        for e in chunks:
+            c = e["choices"][0]
+            text[c["index"]] = text.get(c["index"], "") + (c["delta"].get("content") or "")
+            if c["finish_reason"] is not None:
+                assert c["index"] not in reasons
+                reasons[c["index"]] = c["finish_reason"]
+        assert reasons == dict.fromkeys(range(128), "length")
+        assert text == {k: "".join(f" c{k}t{j}" for j in range(4)) for k in range(128)}
+        await settled(engine)
+        assert engine.aborts == []
 
 
 async def test_n4_all_finish_no_aborts() -> None:

@@ -10,18 +10,20 @@ client lost the last tokens before the error event.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from sieproxy.core.errors import EngineTimeout, EngineTruncated
 from sieproxy.core.events import CandidateDelta, CandidateFinish
 from sieproxy.core.merger import ChatStream
 from sieproxy.pool import ModelPool, RouteHints
-from sieproxy.relay import GenerationBody, RequestStats
+from sieproxy.relay import GenerationBody, RequestStats, WaitTimer
 from sieproxy.settings import EngineSpec, GatewaySettings
 from tests.core.test_merger import CREATED, chat, decode
 
@@ -79,6 +81,24 @@ async def test_deltas_drained_together_are_one_write() -> None:
     assert len(decode(frames)) == 5
 
 
+def _last_chunk() -> bytes:
+    """The engine's last chunk (finish ``length``) and ``[DONE]``, as one read."""
+    last = json.dumps(
+        {
+            "text": " done",
+            "output_ids": [7],
+            "meta_info": {
+                "id": "x-0",
+                "finish_reason": {"type": "length", "length": 1},
+                "prompt_tokens": 3,
+                "completion_tokens": 1,
+                "cached_tokens": 0,
+            },
+        }
+    )
+    return f"data: {last}\n\ndata: [DONE]\n\n".encode()
+
+
 class _OneFinishThenCancelled:
     """An upstream body: the engine's last chunk and ``[DONE]`` in one read; during the next
     read (the body is read to its end for connection reuse) the merger cancels the candidate."""
@@ -91,20 +111,7 @@ class _OneFinishThenCancelled:
     async def receive(self) -> bytes:
         self._reads += 1
         if self._reads == 1:
-            last = json.dumps(
-                {
-                    "text": " done",
-                    "output_ids": [7],
-                    "meta_info": {
-                        "id": "x-0",
-                        "finish_reason": {"type": "length", "length": 1},
-                        "prompt_tokens": 3,
-                        "completion_tokens": 1,
-                        "cached_tokens": 0,
-                    },
-                }
-            )
-            return f"data: {last}\n\ndata: [DONE]\n\n".encode()
+            return _last_chunk()
         self._body._cancel(0, self._cause)
         await trio.lowlevel.checkpoint()  # raises Cancelled
         return b""
@@ -144,6 +151,47 @@ async def test_a_cancel_after_the_engine_finished_sends_one_finish(cause: str) -
             events.append(ev[1])
     finishes = [e for e in events if isinstance(e, CandidateFinish)]
     assert len(finishes) == 1
+    assert finishes[0].reason == "length"  # the engine's, not a local abort
+    assert client.aborts == []  # the engine had finished: nothing to abort
+
+
+class _FinishThenSilence:
+    """An upstream body: the engine's last chunk and ``[DONE]`` in one read, then nothing."""
+
+    def __init__(self) -> None:
+        self._reads = 0
+
+    async def receive(self) -> bytes:
+        self._reads += 1
+        if self._reads == 1:
+            return _last_chunk()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("cause", ["best_of", "stop"])
+async def test_a_cancel_while_queueing_the_engines_finish_still_delivers_it(cause: str) -> None:
+    """Regression (best_of = 128 answered 500): a candidate cancelled as a best_of loser (or
+    for a stop string) while its task waited for room in the full channel to queue the
+    engine's finish dropped that finish; the choice never finished."""
+    body, _ = body_with_channel()
+    client = _Client(_FinishThenSilence())
+    body._client = client  # type: ignore[assignment]
+    body._scopes = [trio.CancelScope()]
+    body._reset_candidates()
+    send, recv = trio.open_memory_channel(0)  # type: ignore[var-annotated]
+    events: list[Any] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(body._candidate, 0, send)
+        await trio.testing.wait_all_tasks_blocked()  # parked queueing the delta: nobody reads
+        events.append((await recv.receive())[1])  # the delta; then parked on the finish
+        await trio.testing.wait_all_tasks_blocked()
+        body._cancel(0, cause)  # the merger names it a loser, in that very step
+        async with recv:
+            async for ev in recv:
+                events.append(ev[1])
+    finishes = [e for e in events if isinstance(e, CandidateFinish)]
+    assert len(finishes) == 1, events
     assert finishes[0].reason == "length"  # the engine's, not a local abort
     assert client.aborts == []  # the engine had finished: nothing to abort
 
@@ -348,3 +396,67 @@ async def test_an_inline_head_that_never_comes_ends_at_the_deadline_or_the_gap(
     assert client.head_timeouts == [pytest.approx(min(deadline, gap))]
     assert trio.current_time() - start == pytest.approx(min(deadline, gap))
     assert client.aborts == ["x-0"] and body.stats.abort_causes == {cause: 1}
+
+
+async def _blocked_write(seconds: float) -> None:
+    """A client write that the socket does not take for ``seconds``."""
+    await trio.sleep(seconds)
+
+
+class _Timed:
+    """An upstream body whose reads become readable at scripted times; closing it (the wait
+    timer firing) wakes a waiting reader, whose next read then fails, as a socket's would."""
+
+    def __init__(self, reads: list[tuple[float, bytes]]) -> None:
+        self.reads = list(reads)
+        self.closed = trio.Event()
+
+    def receive_nowait(self) -> bytes | None:
+        if self.closed.is_set():
+            raise EngineTruncated()
+        if not self.reads:
+            return b""
+        at, data = self.reads[0]
+        if trio.current_time() < at:
+            return None
+        self.reads.pop(0)
+        return data
+
+    async def wait_readable(self) -> None:
+        with trio.move_on_at(self.reads[0][0] if self.reads else -math.inf):
+            await self.closed.wait()
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+@pytest.mark.parametrize("with_timer", [False, True], ids=["cancel-scope", "wait-timer"])
+async def test_inline_gap_does_not_count_a_blocked_client_write(
+    autojump_clock: Any, with_timer: bool
+) -> None:
+    """Regression: the inline reader's token gap counted the time the response spent blocked
+    writing to a slow client, so an engine silent for less than the gap after a long write was
+    timed out at once. The write's time now pauses the gap clock: with a gap of 10 s, a write
+    blocked for 15 s and a token 3 s after it, the stream goes on; the gap still fires after
+    10 s of the engine's real silence."""
+    gap = 10.0
+    t0 = trio.current_time()
+    resp = _Timed([(t0, sse(" a", 1)), (t0 + 18, sse(" b", 2)), (t0 + 40, sse(" c", 3))])
+    body = make_body(1, _Client(resp))
+    body.replica.incremental = True
+    body._g.token_gap_timeout = gap
+    async with trio.open_nursery() as nursery:
+        if with_timer:
+            timer = WaitTimer()
+            nursery.start_soon(timer.run)
+            await trio.testing.wait_all_tasks_blocked()
+            body._timer = timer
+        async with body:
+            assert contents(decode(await body.prime())) == " a"
+            await body.client_write(_blocked_write(15))  # the client does not read meanwhile
+            assert contents(decode(await body.__anext__())) == " b"  # at 18 s: 3 s of silence
+            assert trio.current_time() - t0 == pytest.approx(18)
+            tail = decode(await body.__anext__())  # then 22 s of silence: the gap fires
+        assert tail[0]["error"]["code"] == "upstream_timeout"
+        assert trio.current_time() - t0 == pytest.approx(18 + gap, abs=0.5)
+        nursery.cancel_scope.cancel()

@@ -190,6 +190,11 @@ RESPONSES_CASES: list[Case] = [
         "input[0].content[0]",
         UNSUPPORTED,
     ),
+    bad(
+        "resp-image-no-url",
+        _items({"role": "user", "content": [{"type": "input_image", "detail": "auto"}]}),
+        "input[0].content[0].image_url",
+    ),
     # ---- values
     bad("resp-max-output-tokens-0", _R(max_output_tokens=0), "max_output_tokens"),
     bad("resp-max-output-tokens-float", _R(max_output_tokens=1.5), "max_output_tokens"),

@@ -380,6 +380,11 @@ def _text_of(parts: list[RContent], path: str, *, images: bool) -> list[ContentP
                     "Image parts are only allowed in user messages; move the image.",
                     param=f"{path}[{j}]",
                 )
+            if p.image_url is None and p.file_id is None:
+                raise InvalidRequest(
+                    "An `input_image` part needs `image_url`, a base64 `data:` URI.",
+                    param=f"{path}[{j}].image_url",
+                )
             if p.file_id is not None or p.image_url is None:
                 raise UnsupportedField(
                     "`file_id` images need stored files, and the gateway is stateless; send the "

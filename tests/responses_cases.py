@@ -166,6 +166,7 @@ RESPONSES_CASES: list[Case] = [
     bad("resp-metadata", _R(metadata={"a": "b"}), "metadata", UNSUPPORTED),
     bad("resp-metadata-empty", _R(metadata={}), "metadata", UNSUPPORTED),
     bad("resp-prompt", _R(prompt={"id": "pmpt_1"}), "prompt", UNSUPPORTED),
+    ok("resp-include-empty", _R(include=[])),
     bad("resp-include", _R(include=["reasoning.encrypted_content"]), "include", UNSUPPORTED),
     bad("resp-top-logprobs", _R(top_logprobs=2), "top_logprobs", UNSUPPORTED),
     bad("resp-reasoning", _R(reasoning={"effort": "low"}), "reasoning", UNSUPPORTED),

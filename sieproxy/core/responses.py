@@ -28,7 +28,8 @@ Decisions where the issue is silent (docs/API.md, "POST /v1/responses"):
 - ``store``: absent or ``false`` is accepted (nothing is stored either way); ``true`` is refused.
   ``background: false`` is accepted; ``true`` is refused. ``include``, ``top_logprobs``,
   ``reasoning``, ``truncation``, ``max_tool_calls``, ``prompt``, ``service_tier`` and
-  ``metadata`` are refused with a reason; an explicit ``null`` means absent for each.
+  ``metadata`` are refused with a reason; an explicit ``null`` means absent for each, and so
+  does ``include: []`` (nothing extra asked for).
 """
 
 from __future__ import annotations
@@ -312,7 +313,7 @@ def _check_top(req: ResponsesRequest) -> None:
         raise InvalidRequest("`model` must be a non-empty model name.", param="model")
     for name, message in _REJECTED:
         value = getattr(req, name)
-        if value is not UNSET and value is not None:
+        if value is not UNSET and value is not None and not (name == "include" and value == []):
             raise UnsupportedField(message, param=name)
     if req.store:
         raise UnsupportedField(

@@ -387,7 +387,7 @@ async def test_function_call_streamed_and_not_then_round_trip(
                 tools=[WEATHER],
                 input=[
                     {"role": "user", "content": "Weather in Paris?"},
-                    *[item.model_dump(exclude_none=True) for item in created.output],
+                    *created.output,  # the output items as they are (the SDK serializes them)
                     {"type": "function_call_output", "call_id": call.call_id, "output": "18C"},
                 ],
             )

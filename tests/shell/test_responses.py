@@ -497,3 +497,18 @@ async def test_routes_and_openapi() -> None:
             assert schema["additionalProperties"] is False
             assert {"model", "input", "tools", "text", "stream"} <= set(schema["properties"])
             assert "previous_response_id" not in schema["properties"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_engine_failing_before_any_output_decides_the_status(stream: bool) -> None:
+    """As on chat: nothing was sent yet, so the status line carries the engine's failure (503
+    with Retry-After), in the error envelope, never a 200 with an error event."""
+    engine = FakeEngine(script=faulty(Plan([" a"], fault=Fault.http_error(503, "engine secret"))))
+    async with running_gateway(engine) as gw:
+        with trio.fail_after(LIMIT):
+            r = await _post(gw, {"model": MODEL, "input": "hi", "stream": stream}, rid="fault-503")
+            assert r.status_code == 503, r.text
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.headers["content-type"].startswith("application/json")
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+            assert "engine secret" not in r.text

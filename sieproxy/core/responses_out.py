@@ -12,8 +12,8 @@ as on chat) and turns what it makes visible into *output items*, in order:
 
 Output of another kind closes the open item; so does the end. Whitespace-only content while no
 message is open is held back: it opens a message only when more content follows (or at the end
-when the answer has no other item), so the whitespace a model writes before a tool call does not
-become an empty-looking message. The same item machine runs whether or not the client streams;
+when the answer has no other item), so the whitespace a model writes around its tool calls does
+not become an empty-looking message. The same item machine runs whether or not the client streams;
 streaming only encodes its events, so a streamed response accumulates to exactly the
 non-streamed one.
 

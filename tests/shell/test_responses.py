@@ -512,3 +512,24 @@ async def test_an_engine_failing_before_any_output_decides_the_status(stream: bo
             assert r.headers["content-type"].startswith("application/json")
             assert set(r.json()["error"]) == {"message", "type", "param", "code"}
             assert "engine secret" not in r.text
+
+
+async def test_sdk_parse_with_a_pydantic_text_format() -> None:
+    """``client.responses.parse(text_format=Model)`` sends a strict json_schema ``text.format``
+    and parses the answer into the model (the grammar itself is the engine's: scripted here)."""
+    import pydantic
+
+    class Person(pydantic.BaseModel):
+        name: str
+        age: int
+
+    engine = FakeEngine(script=_fixed(['{"name"', ': "Ada", ', '"age": 36}']))
+    async with running_gateway(engine) as gw:
+        client = _client(gw)
+        parsed = await _sync(
+            lambda: client.responses.parse(model=MODEL, input="Ada, 36.", text_format=Person)
+        )
+        assert parsed.output_parsed == Person(name="Ada", age=36)
+        sent = _generates(engine)[-1]["sampling_params"]
+        assert json.loads(sent["json_schema"])["required"] == ["name", "age"]
+        assert parsed.text.format.type == "json_schema"  # echoed as sent

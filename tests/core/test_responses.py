@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 import pytest
 
 from sieproxy.core.errors import EngineTimeout, InternalError, RequestError
@@ -121,12 +122,16 @@ def shaper(stream: bool, **fields: Any) -> ResponsesShaper:
 
 
 def events(data: bytes) -> list[dict[str, Any]]:
+    """The events of a stream; each frame's bytes must be its event's canonical encoding (key
+    order and all: the text-delta frames are built from pre-encoded bytes)."""
     out = []
     for block in data.decode().split("\n\n"):
         if block:
             head, data_line = block.split("\n")
-            event = json.loads(data_line.removeprefix("data: "))
+            payload = data_line.removeprefix("data: ")
+            event = json.loads(payload)
             assert head == "event: " + event["type"]
+            assert msgspec.json.encode(event).decode() == payload
             out.append(event)
     return out
 
@@ -144,6 +149,7 @@ def run(
 
 SCRIPTS = {
     "text": ["Hel", "lo", " there"],
+    "text-escapes": ['"quoted"', " \\ ", "\u00e9\u4e2d", "\n\t", "\u2028"],
     "whitespace-then-call": ["\n", " ", CALL[:30], CALL[30:]],
     "text-then-call": ["Let me check.", "\n", CALL],
     "two-calls": [CALL, "\n", CALL],
@@ -184,6 +190,7 @@ def test_items_in_order_and_whitespace_before_a_call_is_no_message() -> None:
     }  # fmt: skip
     assert kinds == {
         "text": ["message"],
+        "text-escapes": ["message"],
         "whitespace-then-call": ["function_call"],
         "text-then-call": ["message", "function_call"],
         "two-calls": ["function_call", "function_call"],

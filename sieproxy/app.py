@@ -1,12 +1,13 @@
 """The Quart-Trio application: routes, status decisions, error envelopes.
 
-The two generation routes (``POST /v1/chat/completions``, ``POST /v1/completions``) are answered
-by :class:`GatewayHTTPConnection` straight from the ASGI scope, before Quart builds a request
-object or routes it (:func:`_serve_generation`): Quart's per-request machinery (its ``Request``
-with every header re-cased, the request and app contexts, URL matching, the hooks, the body
-handed over by a second task, the ``Response``) cost about a third of the gateway's own time to
-first token at one client (docs/DESIGN.md). Every other request — other paths, other methods on
-these paths (405 with ``Allow: POST``), health, metrics, models — goes through Quart as usual.
+The generation routes (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``) are
+answered by :class:`GatewayHTTPConnection` straight from the ASGI scope, before Quart builds a
+request object or routes it (:func:`_serve_generation`): Quart's per-request machinery (its
+``Request`` with every header re-cased, the request and app contexts, URL matching, the hooks,
+the body handed over by a second task, the ``Response``) cost about a third of the gateway's own
+time to first token at one client (docs/DESIGN.md). Every other request — other paths, other
+methods on these paths (405 with ``Allow: POST``), health, metrics, models — goes through Quart
+as usual.
 
 Every status decision for a generation request happens before its status line is sent: auth
 (401), draining (503), body size (413) and type (400), decoding and validation (400), the model
@@ -49,7 +50,7 @@ from .core.errors import (
     NotFound,
     ServiceUnavailable,
 )
-from .core.pipeline import build_chat, build_completion
+from .core.pipeline import build_chat, build_completion, build_responses
 from .core.profile import ModelProfile
 from .engine_client import EngineClient
 from .hypercorn_io import body_writer, prepare_head, refusal, send_together, watch_disconnect
@@ -112,7 +113,11 @@ class GatewayHTTPConnection(TrioASGIHTTPConnection):
 
 
 #: The generation routes and their endpoint labels (metrics, logs).
-_GENERATION = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+_GENERATION = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+}
 #: The request headers a generation request reads (ASGI header names are lower case).
 _WANTED = frozenset(
     (
@@ -305,7 +310,10 @@ async def _start(
     """Plan the request and admit it: the response body, not entered yet (every status
     decision before the body is primed is taken here)."""
     g = state.settings.gateway
-    builder = build_chat if endpoint == "chat" else build_completion
+    if endpoint == "chat":
+        builder = build_chat
+    else:
+        builder = build_completion if endpoint == "completions" else build_responses
     plan = builder(raw, state.profiles, request_id=rid, created=state.created())
     pool = state.pools[plan.model]
     hints = RouteHints(

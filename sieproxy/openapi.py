@@ -8,6 +8,12 @@ from typing import Any
 import msgspec
 
 from . import __version__
+from .core.responses import (
+    RESPONSES_KNOWN_REJECTED,
+    ResponsesRequest,
+    RFunctionTool,
+    RItem,
+)
 from .core.schemas import (
     CHAT_KNOWN_REJECTED,
     COMPLETIONS_KNOWN_REJECTED,
@@ -60,12 +66,21 @@ def _responses(ok_desc: str) -> dict[str, Any]:
 
 @functools.cache
 def openapi_document() -> dict[str, Any]:
-    (chat, comp), components = msgspec.json.schema_components(
-        [ChatCompletionRequest, CompletionRequest], ref_template="#/components/schemas/{name}"
+    (chat, comp, resp, item, tool), components = msgspec.json.schema_components(
+        [ChatCompletionRequest, CompletionRequest, ResponsesRequest, RItem, RFunctionTool],
+        ref_template="#/components/schemas/{name}",
     )
+    # ``input`` items and ``tools`` are decoded one by one (an item may omit its ``type``; a
+    # built-in tool gets its own refusal), so their Struct fields are typed loosely: the
+    # document shows what is accepted.
+    props = components["ResponsesRequest"]["properties"]
+    props["input"] = {"anyOf": [{"type": "string"}, {"type": "array", "items": item}]}
+    props["tools"] = {"anyOf": [{"type": "array", "items": tool}, {"type": "null"}]}
+    components["RText"]["properties"].pop("verbosity", None)  # refused with a reason
     for name, rejected in (
         ("ChatCompletionRequest", CHAT_KNOWN_REJECTED),
         ("CompletionRequest", COMPLETIONS_KNOWN_REJECTED),
+        ("ResponsesRequest", RESPONSES_KNOWN_REJECTED),
     ):
         props = components[name]["properties"]
         for field in rejected:
@@ -100,6 +115,17 @@ def openapi_document() -> dict[str, Any]:
                         "content": {"application/json": {"schema": comp}},
                     },
                     "responses": _responses("Text completion (JSON or SSE)"),
+                }
+            },
+            "/v1/responses": {
+                "post": {
+                    "operationId": "createResponse",
+                    "parameters": headers,
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": resp}},
+                    },
+                    "responses": _responses("Response (JSON or SSE `response.*` events)"),
                 }
             },
             "/v1/models": {

@@ -13,16 +13,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import GatewayError, NotFound
+from .errors import GatewayError, NotFound, RequestError
 from .events import CandidateDelta, CandidateFinish, ReasoningParser, ToolCallParser
 from .merger import ChatCollector, ChatStream, CompletionCollector, CompletionStream
-from .plan import merge_stops, plan_chat, plan_completion
+from .plan import ChatPlan, merge_stops, plan_chat, plan_completion
 from .profile import ModelProfile
 from .reasoning import make_reasoning_parser
+from .responses import decode_responses, translated
+from .responses_out import ResponsesShaper
+from .schemas import ChatCompletionRequest
 from .toolparse import make_tool_parser
 from .validate import check_chat, check_completion, decode_chat, decode_completion
 
-__all__ = ["Prepared", "build_chat", "build_completion"]
+__all__ = ["Prepared", "build_chat", "build_completion", "build_responses"]
 
 
 class _Collected:
@@ -83,15 +86,10 @@ def _profile(profiles: Mapping[str, ModelProfile], model: str) -> ModelProfile:
     return profile
 
 
-def build_chat(
-    raw: bytes, profiles: Mapping[str, ModelProfile], *, request_id: str, created: int
-) -> Prepared:
-    req = decode_chat(raw)
-    profile = _profile(profiles, req.model)
-    valid = check_chat(req, profile)
-    plan = plan_chat(valid, profile, request_id=request_id)
-    valid.stop = merge_stops(valid.stop, profile.stop)
-
+def _parsers(
+    req: ChatCompletionRequest, plan: ChatPlan, request_id: str
+) -> tuple[Callable[[], ToolCallParser] | None, Callable[[], ReasoningParser] | None]:
+    """Factories of one fresh tool-call and reasoning parser per choice (None: not used)."""
     tool_names = [t.function.name for t in req.tools or []]
     counter = itertools.count()
     tool_factory: Callable[[], ToolCallParser] | None = None
@@ -114,6 +112,19 @@ def build_chat(
             assert p is not None
             return p
 
+    return tool_factory, reasoning_factory
+
+
+def build_chat(
+    raw: bytes, profiles: Mapping[str, ModelProfile], *, request_id: str, created: int
+) -> Prepared:
+    req = decode_chat(raw)
+    profile = _profile(profiles, req.model)
+    valid = check_chat(req, profile)
+    plan = plan_chat(valid, profile, request_id=request_id)
+    valid.stop = merge_stops(valid.stop, profile.stop)
+
+    tool_factory, reasoning_factory = _parsers(req, plan, request_id)
     kw: dict[str, Any] = {
         "response_id": f"chatcmpl-{request_id}",
         "model": req.model,
@@ -167,4 +178,38 @@ def build_completion(
         shaper=shaper,
         losers=None,
         affinity_key=None,
+    )
+
+
+def build_responses(
+    raw: bytes, profiles: Mapping[str, ModelProfile], *, request_id: str, created: int
+) -> Prepared:
+    """``POST /v1/responses``: the chat path with one candidate (``core.responses``), shaped by
+    :class:`ResponsesShaper`."""
+    rreq, req, paths = decode_responses(raw)
+    profile = _profile(profiles, req.model)
+    try:
+        valid = check_chat(req, profile)
+    except RequestError as err:
+        raise translated(err, paths) from err
+    plan = plan_chat(valid, profile, request_id=request_id)
+    valid.stop = merge_stops(valid.stop, profile.stop)
+    tool_factory, reasoning_factory = _parsers(req, plan, request_id)
+    shaper = ResponsesShaper(
+        valid,
+        rreq,
+        request_id=request_id,
+        model=req.model,
+        created=created,
+        reasoning_parser=reasoning_factory,
+        tool_parser=tool_factory,
+    )
+    return Prepared(
+        model=req.model,
+        n=1,
+        stream=valid.stream,
+        bodies=plan.bodies,
+        shaper=shaper,
+        losers=None,
+        affinity_key=req.prompt_cache_key,
     )

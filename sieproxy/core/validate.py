@@ -86,9 +86,13 @@ __all__ = [
     "MAX_STOP",
     "MAX_STOP_LENGTH",
     "check_chat",
+    "check_chat_request",
     "check_completion",
+    "decode_body",
     "decode_chat",
     "decode_completion",
+    "is_json_object",
+    "validation_error",
 ]
 
 MAX_CANDIDATES = 128
@@ -123,6 +127,11 @@ _ENUMS = {
     "tool_choice": "one of `auto`, `none`, `required` or a named function object",
     "tool_choice.type": "`function`",
     "response_format.type": "one of `text`, `json_object` or `json_schema`",
+    # /v1/responses (sieproxy.core.responses)
+    "input[].content[].type": "one of `input_text`, `input_image`, `output_text` or `refusal`",
+    "input[].output[].type": "one of `input_text`, `input_image`, `output_text` or `refusal`",
+    "input[].content[].detail": "one of `auto`, `low` or `high`",
+    "text.format.type": "one of `text`, `json_object` or `json_schema`",
 }
 
 _TYPE_NAMES = {
@@ -207,6 +216,7 @@ _T = TypeVar("_T")
 
 
 def _decode(decode: Callable[[bytes], _T], body: bytes) -> _T:
+    """Decode ``body`` with ``decode`` (a typed msgspec decoder), every failure a 400."""
     if not body:
         raise InvalidRequest("The request body is empty; send a JSON object.")
     try:
@@ -233,6 +243,10 @@ def _decode_typed(decode: Callable[[bytes], _T], body: bytes) -> _T:
 
 
 _any_json = msgspec.json.Decoder().decode
+
+#: Public names of the two decoding helpers, for the other request surfaces of the core.
+decode_body = _decode
+validation_error = _validation_error
 
 
 # ---------------------------------------------------------------- rules shared by both endpoints
@@ -406,6 +420,14 @@ def _check_chat_scalars(req: ChatCompletionRequest) -> None:
         )
 
 
+def is_json_object(text: str) -> bool:
+    """``text`` is a JSON-encoded object (as tool-call ``arguments`` must be)."""
+    try:
+        return type(msgspec.json.decode(text)) is dict
+    except msgspec.DecodeError:
+        return False
+
+
 def _check_tool_calls(msg: ChatMessage, i: int, call_ids: set[str]) -> None:
     assert msg.tool_calls is not None
     for k, call in enumerate(msg.tool_calls):
@@ -418,11 +440,7 @@ def _check_tool_calls(msg: ChatMessage, i: int, call_ids: set[str]) -> None:
                 "Each tool call needs a non-empty function `name`.",
                 param=f"messages[{i}].tool_calls[{k}].function.name",
             )
-        try:
-            args = msgspec.json.decode(call.function.arguments)
-        except msgspec.DecodeError:
-            args = None
-        if type(args) is not dict:
+        if not is_json_object(call.function.arguments):
             raise InvalidRequest(
                 'Tool call `arguments` must be a JSON-encoded object, such as "{}".',
                 param=f"messages[{i}].tool_calls[{k}].function.arguments",
@@ -552,12 +570,18 @@ def decode_chat(body: bytes) -> ChatCompletionRequest:
     Normalizes ``developer`` roles to ``system`` in place. Raises :class:`RequestError`.
     """
     req = _decode(chat_request_decoder.decode, body)
+    check_chat_request(req)
+    return req
+
+
+def check_chat_request(req: ChatCompletionRequest) -> None:
+    """Every rule of :func:`decode_chat` after decoding (also run on the chat request a
+    Responses request maps to)."""
     _check_model(req.model)
     _check_known_rejected(req, _CHAT_REJECTED)
     _check_chat_scalars(req)
     _check_messages(req.messages)
     _check_tools(req)
-    return req
 
 
 def _chat_images(req: ChatCompletionRequest, profile: ModelProfile) -> list[ImageInput]:

@@ -1,24 +1,13 @@
-"""The ``sieproxy-engine`` command.
-
-    sieproxy-engine launch --sglang [--host H] [--port P] [options] -- <sglang args>
-        run ``python -m sglang.launch_server --host H --port P <sglang args>`` supervised:
-        ready when GET /health answers 200, restarted with backoff on a crash, stopped cleanly
-        (SIGTERM to its process group, then SIGKILL) on SIGTERM or SIGINT;
-    sieproxy-engine launch --health-url URL [options] -- <argv>
-        the same for any command;
-    sieproxy-engine fake [args]      the scripted fake engine (``engine.fake``; ``fake --help``);
-    sieproxy-engine serve [args]     the CPU engine (``engine.cpu.server``);
-    sieproxy-engine prepare [--model M]
-        do the CPU engine's one-time work ahead of its first start: convert the model (the
-        default SmolLM2 GGUF unless ``--model``) into the cache and build the decode kernels
-        (cached under ~/.cache/torch_extensions). ``serve`` does both on its own when needed;
-        this only moves the wait (about a minute on a fresh machine) out of the first start.
-"""
+"""The ``sieproxy-engine`` command (its ``--help`` is ``HELP`` below)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import threading
+import time
 from collections.abc import Sequence
 
 import trio
@@ -28,6 +17,65 @@ from engine.supervisor import ChildSpec, Supervisor, SupervisorError, supervise_
 __all__ = ["build_launch_parser", "launch_spec", "main", "sglang_argv"]
 
 _USAGE = "usage: sieproxy-engine {launch,fake,serve,prepare} [args]  (see --help of each)"
+
+HELP = f"""\
+{_USAGE}
+
+Engines that speak SGLang's native HTTP protocol, and a supervisor for them.
+
+commands:
+  serve [args]     the CPU engine (torch): SmolLM2-135M-Instruct by default, or a Hugging
+                   Face model directory or a .gguf file (--model); see serve --help
+  prepare [--model M]
+                   the CPU engine's one-time work ahead of its first start: convert the model
+                   into ~/.cache/sieproxy/models/ and build the decode kernels (cached under
+                   ~/.cache/torch_extensions); serve does both when needed, this only moves
+                   the wait (about a minute on a fresh machine) out of the first start
+  fake [args]      the scripted fake engine, for tests and benchmarks; see fake --help
+  launch --sglang [--host H] [--port P] [options] -- SGLANG ARGS
+                   run python -m sglang.launch_server supervised: ready when GET /health
+                   answers 200, restarted with backoff on a crash, stopped cleanly (SIGTERM to
+                   its process group, then SIGKILL) on SIGTERM or SIGINT; see launch --help
+  launch --health-url URL [options] -- COMMAND
+                   the same for any command
+
+options:
+  -h, --help       this text
+  --version        the version
+
+examples:
+  sieproxy-engine prepare
+  sieproxy-engine serve --port 30000
+  sieproxy-engine serve --model ./Qwen2.5-0.5B-Instruct --port 30001 --threads 4
+  sieproxy-engine fake --port 30000 --itl-ms 20
+  sieproxy-engine launch --sglang --port 30000 -- --model-path Qwen/Qwen2.5-7B-Instruct
+"""
+
+#: Set by the gateway for its embedded engine: the read end of a pipe whose write end only the
+#: gateway holds. End-of-file there means the gateway is gone (however it died).
+PARENT_FD_ENV = "SIEPROXY_PARENT_FD"
+
+
+def watch_parent(environ: dict[str, str] | None = None) -> None:
+    """Stop this process (SIGTERM to itself, exit after 10 s) once its gateway is gone."""
+    env = os.environ if environ is None else environ
+    raw = env.pop(PARENT_FD_ENV, "")
+    if not raw.isdigit():
+        return
+    fd = int(raw)
+
+    def wait() -> None:
+        try:
+            while os.read(fd, 1):
+                pass
+        except OSError:
+            pass
+        print("[sieproxy-engine] the gateway that started me is gone; stopping", file=sys.stderr)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)
+        os._exit(1)
+
+    threading.Thread(target=wait, name="parent-watch", daemon=True).start()
 
 
 def sglang_argv(
@@ -137,9 +185,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``sieproxy-engine``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__ if argv else _USAGE, file=sys.stderr if not argv else sys.stdout)
+        print(HELP if argv else _USAGE, file=sys.stderr if not argv else sys.stdout)
         return 0 if argv else 2
+    if argv[0] == "--version":
+        from engine import __version__
+
+        print(f"sieproxy-engine {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
+    watch_parent()
     if command == "launch":
         return _launch(rest)
     if command == "fake":

@@ -42,6 +42,7 @@ import argparse
 import enum
 import json
 import math
+import os
 import sys
 import time
 import uuid
@@ -732,6 +733,8 @@ class FakeEngine:
             "internal_states": [{"last_gen_throughput": 0.0}],
             "version": "0.5.23",
             "frontend": "fake",
+            # Set by a gateway for its embedded engine (it checks that it talks to its child).
+            "launch_token": os.environ.get("SIEPROXY_ENGINE_LAUNCH_TOKEN"),
         }
 
     def model_info(self) -> dict[str, Any]:

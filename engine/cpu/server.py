@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import sys
 import time
@@ -509,6 +510,8 @@ def build_app(engine: CpuEngine) -> QuartTrio:
             "startup_time": engine.load_seconds,
             "internal_states": [stats],
             "ready": engine.ready,
+            # Set by a gateway for its embedded engine (it checks that it talks to its child).
+            "launch_token": os.environ.get("SIEPROXY_ENGINE_LAUNCH_TOKEN"),
             "version": VERSION,
             "frontend": "python",
         }
@@ -625,6 +628,10 @@ async def serve(
     config = HypercornConfig()
     config.bind = [f"{args.host}:{args.port}"]
     config.accesslog = None
+    # Through the root handler, at WARNING: the "listening on" line below says where it is, and
+    # a gateway running this engine prints its own "Running on" line.
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.errorlog.setLevel(logging.WARNING)
     config.keep_alive_timeout = 75
     app.config["ENGINE_HOST"] = args.host
     try:

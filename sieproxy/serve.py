@@ -235,7 +235,9 @@ def hypercorn_config(settings: Settings) -> HypercornConfig:
     g = settings.gateway
     cfg = HypercornConfig()
     cfg.bind = [f"{g.host}:{g.port}"]
-    cfg.graceful_timeout = g.shutdown_grace
+    # Hypercorn cancels what is left after its graceful timeout; the gateway's own drain
+    # (``serve``) ends requests with an error event at shutdown_grace first, and cancels after.
+    cfg.graceful_timeout = g.shutdown_grace + g.abort_timeout + 2
     cfg.keep_alive_timeout = 75  # longer than typical client/LB idle timeouts
     cfg.backlog = 2048
     cfg.accesslog = None  # the gateway writes its own structured access log
@@ -306,9 +308,24 @@ async def serve(
         # Hypercorn's trio worker waits out the whole grace period while any idle keep-alive
         # connection is open; return as soon as the in-flight responses are all sent instead.
         await stop.wait()
-        with trio.move_on_after(settings.gateway.shutdown_grace):
+        g = settings.gateway
+        with trio.move_on_after(g.shutdown_grace):
             while state.active:  # noqa: ASYNC110 - bounded polling, during shutdown only
                 await trio.sleep(0.02)
+        if state.active:
+            # The grace is over: each request ends with a 503 "shutting down" (an SSE error
+            # event and [DONE] on a started stream), aborted upstream; then whatever is left
+            # (a client that does not read, say) is cancelled.
+            log.warning(
+                "shutdown grace of %g s over: stopping %d request(s)",
+                g.shutdown_grace,
+                len(state.active),
+            )
+            for body in list(state.active):
+                body.shut_down()
+            with trio.move_on_after(g.abort_timeout + 1):
+                while state.active:  # noqa: ASYNC110 - bounded polling, during shutdown only
+                    await trio.sleep(0.02)
         nursery.cancel_scope.cancel()
 
     # The engine child lives in the outer nursery: it is stopped only once the inner one (the
@@ -345,6 +362,7 @@ async def serve(
 
 async def _announce_ready(state: GatewayState, binds: list[str]) -> None:
     """One line once every model can be served: where the API is and what it serves."""
+
     def ready() -> bool:
         return all(p.gate_open and any(r.ready for r in p.replicas) for p in state.pools.values())
 

@@ -55,6 +55,6 @@ def test_pip_settings_reach_the_serve_env() -> None:
 def test_tox_waits_for_the_drain_on_ctrl_c() -> None:
     g = GatewaySettings()
     serve = _tox()["testenv:serve"]
-    needed = g.shutdown_grace + g.abort_timeout + 10  # drain, aborts, engine stop
+    needed = g.shutdown_grace + g.abort_timeout + 1 + 10  # drain, aborts, engine stop
     assert float(serve["suicide_timeout"]) >= needed
     assert float(serve["interrupt_timeout"]) >= needed

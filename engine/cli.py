@@ -101,21 +101,25 @@ def _connect_host(host: str) -> str:
 def build_launch_parser() -> argparse.ArgumentParser:
     """The ``launch`` subcommand's parser (the child's argv comes after ``--``)."""
     p = argparse.ArgumentParser(
-        prog="sieproxy-engine launch", description="Run an engine process supervised."
+        prog="sieproxy-engine launch",
+        description="Run an engine process supervised.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="example: sieproxy-engine launch --sglang --port 30000 -- "
+        "--model-path Qwen/Qwen2.5-7B-Instruct --incremental-streaming-output",
     )
     p.add_argument("--sglang", action="store_true", help="run python -m sglang.launch_server")
     p.add_argument("--host", default="127.0.0.1", help="--sglang: the server's host")
     p.add_argument("--port", type=int, default=30000, help="--sglang: the server's port")
-    p.add_argument("--python", default=None, help="--sglang: interpreter (default: this one)")
+    p.add_argument("--python", default=None, help="--sglang: interpreter (None: this one)")
     p.add_argument("--sglang-module", default="sglang.launch_server", help=argparse.SUPPRESS)
-    p.add_argument("--health-url", default=None, help="readiness URL (default with --sglang: "
-                   "http://HOST:PORT/health; without: ready once spawned)")  # fmt: skip
+    p.add_argument("--health-url", default=None, help="readiness URL (None: with --sglang "
+                   "http://HOST:PORT/health, else ready once spawned)")  # fmt: skip
     p.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds (model load)")
     p.add_argument("--poll-interval", type=float, default=1.0, help="seconds between probes")
-    p.add_argument("--backoff-initial", type=float, default=1.0)
-    p.add_argument("--backoff-max", type=float, default=60.0)
+    p.add_argument("--backoff-initial", type=float, default=1.0, help="first restart delay, s")
+    p.add_argument("--backoff-max", type=float, default=60.0, help="longest restart delay, s")
     p.add_argument("--max-restarts", type=int, default=None,
-                   help="consecutive failures tolerated (default: unlimited)")  # fmt: skip
+                   help="consecutive failures tolerated (None: unlimited)")  # fmt: skip
     p.add_argument("--stop-timeout", type=float, default=30.0,
                    help="seconds between SIGTERM and SIGKILL")  # fmt: skip
     return p
@@ -167,8 +171,18 @@ def _launch(argv: Sequence[str]) -> int:
 
 
 def _prepare(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="sieproxy-engine prepare")
-    parser.add_argument("--model", default="default", help="model to convert (default: SmolLM2)")
+    parser = argparse.ArgumentParser(
+        prog="sieproxy-engine prepare",
+        description="Convert the model into the cache and build the decode kernels, ahead of "
+        "the first start.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="example: sieproxy-engine prepare --model ./model.gguf",
+    )
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="'default' (SmolLM2-135M-Instruct), an HF model dir or a .gguf file",
+    )
     args = parser.parse_args(list(argv))
     from engine.cpu.kernels import load_kernels  # type: ignore[import-not-found,unused-ignore]
     from engine.cpu.model_store import resolve_model  # type: ignore[import-not-found,unused-ignore]

@@ -3,6 +3,8 @@ reStructuredText markup from docstrings), the defaults, and examples."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from engine.cli import main as engine_main
@@ -44,3 +46,15 @@ def test_engine_help_is_plain_with_examples(capsys: pytest.CaptureFixture[str]) 
 def test_versions(capsys: pytest.CaptureFixture[str]) -> None:
     assert _run(sieproxy_main, ["--version"], capsys).strip() == f"sieproxy {__version__}"
     assert _run(engine_main, ["--version"], capsys).strip().startswith("sieproxy-engine ")
+
+
+@pytest.mark.parametrize("command", ["serve", "prepare", "fake", "launch"])
+def test_engine_command_help_shows_defaults_and_an_example(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _run(engine_main, [command, "--help"], capsys)
+    assert "``" not in out, out
+    assert "example: sieproxy-engine " + command in out, out
+    assert "(default: " in out, out
+    assert not re.search(r"\(default[^)]*\)\s*\(default", out), out  # said once per option
+    assert f"usage: sieproxy-engine {command}" in out

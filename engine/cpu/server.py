@@ -564,6 +564,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="sieproxy-engine serve",
         description="CPU engine speaking SGLang's native HTTP protocol (continuous batching).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="example: sieproxy-engine serve --model ./Qwen2.5-0.5B-Instruct --port 30001 "
+        "--threads 4",
     )
     parser.add_argument(
         "--model",
@@ -572,8 +575,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="default",
         help="'default' (SmolLM2-135M-Instruct), an HF model dir or a .gguf file",
     )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    parser.add_argument("--host", default="127.0.0.1", help="listen address")
+    parser.add_argument("--port", type=int, default=30000, help="listen port; 0 picks a free one")
     parser.add_argument(
         "--lora",
         action="append",
@@ -598,12 +601,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=128,
         help="waiting requests before /generate answers 503",
     )
-    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument(
+        "--served-model-name", default=None, help="the model's name in the API (None: its own)"
+    )
     parser.add_argument(
         "--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per scheduler step"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
     return parser.parse_args(argv)
 
 

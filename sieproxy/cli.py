@@ -61,6 +61,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind a failed start (a bind), also inside Trio's exception groups."""
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        return _os_error(exc.exceptions[0])
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -92,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except PortInUse as exc:
         print(f"sieproxy: cannot start: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, BaseExceptionGroup) as exc:  # the port taken after claim_ports' check
+        err = _os_error(exc)
+        if err is None:
+            raise
+        print(f"sieproxy: cannot start: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -1,9 +1,10 @@
-"""``--help`` and ``--version`` of ``sieproxy`` and ``sieproxy-engine``: plain text (no
-reStructuredText markup from docstrings), the defaults, and examples."""
+"""The command lines: ``--help`` and ``--version`` of ``sieproxy`` and ``sieproxy-engine`` (plain
+text without docstring markup, the defaults, examples), and a failed start as one line."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +59,27 @@ def test_engine_command_help_shows_defaults_and_an_example(
     assert "(default: " in out, out
     assert not re.search(r"\(default[^)]*\)\s*\(default", out), out  # said once per option
     assert f"usage: sieproxy-engine {command}" in out
+
+
+def test_a_port_taken_after_the_check_is_still_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The port checked free by ``claim_ports`` and taken before Hypercorn binds it: the bind's
+    error (inside Trio's exception group) is one line and exit status 1, not a traceback."""
+    import socket
+
+    from sieproxy import serve as serve_mod
+
+    monkeypatch.setattr(serve_mod, "claim_ports", lambda settings: None)  # lose the race
+    monkeypatch.setattr(serve_mod, "tune_gc", lambda: None)
+    config = tmp_path / "g.toml"
+    config.write_text('[models.m]\nengines = ["http://127.0.0.1:9"]\nchat_template = "x"\n')
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        code = sieproxy_main(["serve", "--config", str(config), "--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert err.startswith("sieproxy: cannot start: ") and "Traceback" not in err, err
+    assert "address already in use" in err.lower() or "in use" in err.lower(), err

@@ -341,6 +341,8 @@ async def serve(
             outer.start_soon(partial(supervise_child, argv, name=f"{e.kind}-engine", env=env))
         if shutdown_trigger is None:
             outer.start_soon(_on_signals, stop, state, now, forced)
+            if os.environ.get(EXIT_WITH_PARENT_ENV, "").strip() in ("1", "true", "yes"):
+                outer.start_soon(_watch_parent, stop, os.getppid())
         with now:
             async with trio.open_nursery() as nursery:
 
@@ -358,6 +360,24 @@ async def serve(
                 nursery.start_soon(_announce_ready, state, binds)
         outer.cancel_scope.cancel()
     return bool(forced)
+
+
+#: Set (to 1) by ``tox -e serve``: stop like on SIGTERM once the parent process is gone.
+EXIT_WITH_PARENT_ENV = "SIEPROXY_EXIT_WITH_PARENT"
+
+
+async def _watch_parent(stop: trio.Event, parent: int, every: float = 0.5) -> None:
+    """Drain and stop (as on SIGTERM) once the process that started this one is gone, so a
+    SIGKILLed tox leaves nothing running. Opt-in: a gateway started with ``nohup ... &`` is
+    meant to outlive its shell."""
+    while os.getppid() == parent:  # polled: no event tells of a parent's death
+        with trio.move_on_after(every):
+            await stop.wait()
+        if stop.is_set():
+            return
+    if not stop.is_set():
+        log.warning("the parent process (pid %d) is gone: shutting down", parent)
+        stop.set()
 
 
 async def _announce_ready(state: GatewayState, binds: list[str]) -> None:

@@ -58,3 +58,11 @@ def test_tox_waits_for_the_drain_on_ctrl_c() -> None:
     needed = g.shutdown_grace + g.abort_timeout + 1 + 10  # drain, aborts, engine stop
     assert float(serve["suicide_timeout"]) >= needed
     assert float(serve["interrupt_timeout"]) >= needed
+
+
+def test_serve_env_stops_with_tox() -> None:
+    """A SIGKILLed tox leaves no gateway behind (``SIEPROXY_EXIT_WITH_PARENT``)."""
+    ini = _tox()
+    setenv = _lines(ini["testenv:serve"]["setenv"])
+    assert "SIEPROXY_EXIT_WITH_PARENT = 1" in setenv
+    assert "{[testenv]setenv}" in setenv  # the common settings stay

@@ -7,6 +7,7 @@ seconds, without torch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -298,3 +299,42 @@ def test_start_up_lines(tmp_path: Path, gateways: list[Gateway]) -> None:
     out = g.text()
     assert len(re.findall("Running on", out)) == 1, out
     assert f"ready: {g.url}/v1 — {MODEL}" in out, out
+
+
+def test_with_exit_with_parent_a_killed_parent_leaves_nothing_running(tmp_path: Path) -> None:
+    """``tox -e serve`` sets SIEPROXY_EXIT_WITH_PARENT=1: when tox is SIGKILLed, the gateway
+    drains and stops by itself, and its engine with it."""
+    config = tmp_path / "gw.toml"
+    config.write_text(FAKE_ENGINE.format(grace=5, itl_ms=0, tokens=5))
+    log = tmp_path / "gw.log"
+    port = free_port()
+    serve = [sys.executable, "-m", "sieproxy", "serve", "--config", str(config)]
+    serve += ["--host", "127.0.0.1", "--port", str(port)]
+    # a stand-in for tox: a parent process that runs the command and waits for it
+    parent_code = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"
+    env = {k: v for k, v in os.environ.items() if k != "SIEPROXY_CONFIG"}
+    env["SIEPROXY_EXIT_WITH_PARENT"] = "1"
+    with log.open("wb") as out:
+        parent = subprocess.Popen(
+            [sys.executable, "-c", parent_code, *serve],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    g = Gateway(parent, log, f"http://127.0.0.1:{port}")
+    try:
+        g.wait_ready()
+        engine = g.engine_pid()
+        stat = Path(f"/proc/{engine}/stat").read_text()
+        gateway = int(stat.rsplit(")", 1)[1].split()[1])  # the engine's parent
+        assert gateway != parent.pid and alive(gateway)
+        parent.kill()
+        parent.wait(10)
+        assert wait_gone(gateway, 15), g.text()
+        assert wait_gone(engine, 15), g.text()
+        out = g.text()
+        assert "is gone: shutting down" in out and "Traceback" not in out, out
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)

@@ -321,11 +321,7 @@ async def serve(
                 g.shutdown_grace,
                 len(state.active),
             )
-            for body in list(state.active):
-                body.shut_down()
-            with trio.move_on_after(g.abort_timeout + 1):
-                while state.active:  # noqa: ASYNC110 - bounded polling, during shutdown only
-                    await trio.sleep(0.02)
+            await _stop_requests(state, nursery.cancel_scope, g.abort_timeout + 1)
         nursery.cancel_scope.cancel()
 
     # The engine child lives in the outer nursery: it is stopped only once the inner one (the
@@ -444,41 +440,58 @@ async def _reload_on_sighup(state: GatewayState, path: str | None) -> None:
             log.warning("SIGHUP: configuration reloaded: %s", "; ".join(lines))
 
 
+async def _stop_requests(state: GatewayState, scope: trio.CancelScope, within: float) -> None:
+    """End every in-flight request now — aborted upstream, its client told with a 503 "shutting
+    down" (an SSE error event and [DONE] on a started stream) — then cancel ``scope`` once they
+    are all gone, or after ``within`` seconds (a client that does not read)."""
+    for body in list(state.active):
+        body.shut_down()
+    with trio.move_on_after(within):
+        while state.active:  # noqa: ASYNC110 - bounded polling, during shutdown only
+            await trio.sleep(0.02)
+    scope.cancel()
+
+
 async def _on_signals(
     stop: trio.Event, state: GatewayState, scope: trio.CancelScope, forced: list[bool]
 ) -> None:
     """One log line per signal. The first SIGINT/SIGTERM starts the drain; a SIGTERM during it
-    changes nothing; a second SIGINT (a second Ctrl-C) cancels the in-flight requests now.
+    changes nothing; a second SIGINT (a second Ctrl-C) ends the in-flight requests now (within
+    a second; a third cancels them at once).
 
     The receiver stays open until ``serve`` returns, so no signal turns into a
     ``KeyboardInterrupt`` traceback while the gateway stops."""
     grace = state.settings.gateway.shutdown_grace
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        started = 0.0
-        async for signum in signals:
-            name, n = signal.Signals(signum).name, len(state.active)
-            if not stop.is_set():
-                started = trio.current_time()
-                log.warning(
-                    "%s: shutting down, draining %d in-flight request(s) for up to %g s "
-                    "(Ctrl-C again to stop now)",
-                    name,
-                    n,
-                    grace,
-                )
-                stop.set()
-            elif signum == signal.SIGINT:
-                log.warning(
-                    "SIGINT again: stopping now, aborting %d in-flight request(s) upstream", n
-                )
-                forced.append(True)
-                scope.cancel()
-            else:
-                left = max(0.0, grace - (trio.current_time() - started))
-                log.warning(
-                    "%s during the drain: still draining %d request(s), at most %.0f s more "
-                    "(Ctrl-C stops now)",
-                    name,
-                    n,
-                    left,
-                )
+        async with trio.open_nursery() as tasks:
+            started = 0.0
+            async for signum in signals:
+                name, n = signal.Signals(signum).name, len(state.active)
+                if not stop.is_set():
+                    started = trio.current_time()
+                    log.warning(
+                        "%s: shutting down, draining %d in-flight request(s) for up to %g s "
+                        "(Ctrl-C again to stop now)",
+                        name,
+                        n,
+                        grace,
+                    )
+                    stop.set()
+                elif signum == signal.SIGINT and forced:
+                    log.warning("SIGINT a third time: cancelling the %d request(s) left", n)
+                    scope.cancel()
+                elif signum == signal.SIGINT:
+                    log.warning(
+                        "SIGINT again: stopping now, aborting %d in-flight request(s) upstream", n
+                    )
+                    forced.append(True)
+                    tasks.start_soon(_stop_requests, state, scope, 1.0)
+                else:
+                    left = max(0.0, grace - (trio.current_time() - started))
+                    log.warning(
+                        "%s during the drain: still draining %d request(s), at most %.0f s more "
+                        "(Ctrl-C stops now)",
+                        name,
+                        n,
+                        left,
+                    )

@@ -8,6 +8,7 @@ seconds, without torch.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -160,7 +161,8 @@ def test_sigint_then_sigterm_drains_the_stream_like_tox(
 def test_second_sigint_stops_now_and_aborts_upstream(
     tmp_path: Path, gateways: list[Gateway]
 ) -> None:
-    """A second Ctrl-C ends the drain at once; the cut generation is aborted upstream."""
+    """A second Ctrl-C ends the drain at once: the generation is aborted upstream and the
+    stream ends with the "shutting down" error event and [DONE]."""
 
     def script(call: Call) -> Plan:
         texts, ids = default_tokens(call.seed, 200)
@@ -199,7 +201,10 @@ def test_second_sigint_stops_now_and_aborts_upstream(
         g.proc.wait(10)
         assert time.monotonic() - t0 < 5, "the second SIGINT did not stop the gateway at once"
         assert s.done.wait(5)
-        assert not s.text.endswith("data: [DONE]\n\n")
+        # stopped, but not silently: the error event, then [DONE]
+        assert s.text.endswith("data: [DONE]\n\n"), s.text[-300:]
+        last = json.loads(s.text.split("\n\n")[-3].removeprefix("data: "))
+        assert last["error"]["code"] == "service_unavailable", last
         out = g.text()
         assert "Traceback" not in out, out
         assert "SIGINT again: stopping now" in out, out

@@ -9,11 +9,12 @@ with no configured chat template — discovery of the template from the engine's
 CPU engine does). Until discovery has run, the model is not ready (503 "model loading").
 
 Shutdown: on SIGTERM/SIGINT the gateway stops accepting connections, answers new requests on
-open connections with 503, lets in-flight streams run for ``shutdown_grace`` seconds, then
-cancels them — which aborts every unfinished candidate upstream — and stops the engine child
-(after the aborts, so they reach it). During the drain a SIGTERM is logged and changes nothing
-(tox and process managers follow SIGINT with SIGTERM within a second); a second SIGINT — a
-second Ctrl-C — cancels the streams at once, with the same upstream aborts.
+open connections with 503, lets in-flight streams run for ``shutdown_grace`` seconds, then ends
+them — every unfinished candidate aborted upstream, each client sent a 503 "shutting down"
+error event and [DONE] — cancels what is still left, and stops the engine child (after the
+aborts, so they reach it). During the drain a SIGTERM is logged and changes nothing (tox and
+process managers follow SIGINT with SIGTERM within a second); a second SIGINT — a second
+Ctrl-C — ends the streams the same way at once.
 """
 
 from __future__ import annotations

@@ -111,10 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        # Stopping: a late signal must not become a traceback or a non-zero status now.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # Stopping: a late signal must not become a traceback or a non-zero status now. A
+        # handler, not SIG_IGN: an ignored signal would stay ignored in any process started
+        # from this one later (exec keeps SIG_IGN; it resets handlers).
+        signal.signal(signal.SIGINT, _late_signal)
+        signal.signal(signal.SIGTERM, _late_signal)
     return 130 if forced else 0
+
+
+def _late_signal(signum: int, frame: object) -> None:
+    """Signals after the gateway stopped: it is exiting anyway."""
 
 
 if __name__ == "__main__":

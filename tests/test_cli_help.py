@@ -4,6 +4,7 @@ text without docstring markup, the defaults, examples), and a failed start as on
 from __future__ import annotations
 
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -78,7 +79,16 @@ def test_a_port_taken_after_the_check_is_still_one_line(
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        code = sieproxy_main(["serve", "--config", str(config), "--port", str(port)])
+        saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            code = sieproxy_main(["serve", "--config", str(config), "--port", str(port)])
+            # whatever main() leaves must not be inherited: SIG_IGN would survive an exec, and
+            # every process started from this one afterwards would ignore SIGTERM
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+            assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+        finally:  # main() leaves its exit-time handlers installed
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
     err = capsys.readouterr().err
     assert code == 1, err
     assert err.startswith("sieproxy: cannot start: ") and "Traceback" not in err, err

@@ -10,4 +10,11 @@ The gateway package ``sieproxy`` is never imported from here: the two share only
 protocol described in ``SGLANG-NATIVE-PROTOCOL.md``.
 """
 
-__all__: list[str] = []
+from importlib import metadata
+
+try:
+    __version__ = metadata.version("sieproxy")
+except metadata.PackageNotFoundError:  # a source tree that is not installed
+    __version__ = "0+unknown"
+
+__all__ = ["__version__"]

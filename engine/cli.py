@@ -1,24 +1,13 @@
-"""The ``sieproxy-engine`` command.
-
-    sieproxy-engine launch --sglang [--host H] [--port P] [options] -- <sglang args>
-        run ``python -m sglang.launch_server --host H --port P <sglang args>`` supervised:
-        ready when GET /health answers 200, restarted with backoff on a crash, stopped cleanly
-        (SIGTERM to its process group, then SIGKILL) on SIGTERM or SIGINT;
-    sieproxy-engine launch --health-url URL [options] -- <argv>
-        the same for any command;
-    sieproxy-engine fake [args]      the scripted fake engine (``engine.fake``; ``fake --help``);
-    sieproxy-engine serve [args]     the CPU engine (``engine.cpu.server``);
-    sieproxy-engine prepare [--model M]
-        do the CPU engine's one-time work ahead of its first start: convert the model (the
-        default SmolLM2 GGUF unless ``--model``) into the cache and build the decode kernels
-        (cached under ~/.cache/torch_extensions). ``serve`` does both on its own when needed;
-        this only moves the wait (about a minute on a fresh machine) out of the first start.
-"""
+"""The ``sieproxy-engine`` command (its ``--help`` is ``HELP`` below)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import threading
+import time
 from collections.abc import Sequence
 
 import trio
@@ -28,6 +17,65 @@ from engine.supervisor import ChildSpec, Supervisor, SupervisorError, supervise_
 __all__ = ["build_launch_parser", "launch_spec", "main", "sglang_argv"]
 
 _USAGE = "usage: sieproxy-engine {launch,fake,serve,prepare} [args]  (see --help of each)"
+
+HELP = f"""\
+{_USAGE}
+
+Engines that speak SGLang's native HTTP protocol, and a supervisor for them.
+
+commands:
+  serve [args]     the CPU engine (torch): SmolLM2-135M-Instruct by default, or a Hugging
+                   Face model directory or a .gguf file (--model); see serve --help
+  prepare [--model M]
+                   the CPU engine's one-time work ahead of its first start: convert the model
+                   into ~/.cache/sieproxy/models/ and build the decode kernels (cached under
+                   ~/.cache/torch_extensions); serve does both when needed, this only moves
+                   the wait (about a minute on a fresh machine) out of the first start
+  fake [args]      the scripted fake engine, for tests and benchmarks; see fake --help
+  launch --sglang [--host H] [--port P] [options] -- SGLANG ARGS
+                   run python -m sglang.launch_server supervised: ready when GET /health
+                   answers 200, restarted with backoff on a crash, stopped cleanly (SIGTERM to
+                   its process group, then SIGKILL) on SIGTERM or SIGINT; see launch --help
+  launch --health-url URL [options] -- COMMAND
+                   the same for any command
+
+options:
+  -h, --help       this text
+  --version        the version
+
+examples:
+  sieproxy-engine prepare
+  sieproxy-engine serve --port 30000
+  sieproxy-engine serve --model ./Qwen2.5-0.5B-Instruct --port 30001 --threads 4
+  sieproxy-engine fake --port 30000 --itl-ms 20
+  sieproxy-engine launch --sglang --port 30000 -- --model-path Qwen/Qwen2.5-7B-Instruct
+"""
+
+#: Set by the gateway for its embedded engine: the read end of a pipe whose write end only the
+#: gateway holds. End-of-file there means the gateway is gone (however it died).
+PARENT_FD_ENV = "SIEPROXY_PARENT_FD"
+
+
+def watch_parent(environ: dict[str, str] | None = None) -> None:
+    """Stop this process (SIGTERM to itself, exit after 10 s) once its gateway is gone."""
+    env = os.environ if environ is None else environ
+    raw = env.pop(PARENT_FD_ENV, "")
+    if not raw.isdigit():
+        return
+    fd = int(raw)
+
+    def wait() -> None:
+        try:
+            while os.read(fd, 1):
+                pass
+        except OSError:
+            pass
+        print("[sieproxy-engine] the gateway that started me is gone; stopping", file=sys.stderr)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)
+        os._exit(1)
+
+    threading.Thread(target=wait, name="parent-watch", daemon=True).start()
 
 
 def sglang_argv(
@@ -53,21 +101,25 @@ def _connect_host(host: str) -> str:
 def build_launch_parser() -> argparse.ArgumentParser:
     """The ``launch`` subcommand's parser (the child's argv comes after ``--``)."""
     p = argparse.ArgumentParser(
-        prog="sieproxy-engine launch", description="Run an engine process supervised."
+        prog="sieproxy-engine launch",
+        description="Run an engine process supervised.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="example: sieproxy-engine launch --sglang --port 30000 -- "
+        "--model-path Qwen/Qwen2.5-7B-Instruct --incremental-streaming-output",
     )
     p.add_argument("--sglang", action="store_true", help="run python -m sglang.launch_server")
     p.add_argument("--host", default="127.0.0.1", help="--sglang: the server's host")
     p.add_argument("--port", type=int, default=30000, help="--sglang: the server's port")
-    p.add_argument("--python", default=None, help="--sglang: interpreter (default: this one)")
+    p.add_argument("--python", default=None, help="--sglang: interpreter (None: this one)")
     p.add_argument("--sglang-module", default="sglang.launch_server", help=argparse.SUPPRESS)
-    p.add_argument("--health-url", default=None, help="readiness URL (default with --sglang: "
-                   "http://HOST:PORT/health; without: ready once spawned)")  # fmt: skip
+    p.add_argument("--health-url", default=None, help="readiness URL (None: with --sglang "
+                   "http://HOST:PORT/health, else ready once spawned)")  # fmt: skip
     p.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds (model load)")
     p.add_argument("--poll-interval", type=float, default=1.0, help="seconds between probes")
-    p.add_argument("--backoff-initial", type=float, default=1.0)
-    p.add_argument("--backoff-max", type=float, default=60.0)
+    p.add_argument("--backoff-initial", type=float, default=1.0, help="first restart delay, s")
+    p.add_argument("--backoff-max", type=float, default=60.0, help="longest restart delay, s")
     p.add_argument("--max-restarts", type=int, default=None,
-                   help="consecutive failures tolerated (default: unlimited)")  # fmt: skip
+                   help="consecutive failures tolerated (None: unlimited)")  # fmt: skip
     p.add_argument("--stop-timeout", type=float, default=30.0,
                    help="seconds between SIGTERM and SIGKILL")  # fmt: skip
     return p
@@ -119,8 +171,18 @@ def _launch(argv: Sequence[str]) -> int:
 
 
 def _prepare(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="sieproxy-engine prepare")
-    parser.add_argument("--model", default="default", help="model to convert (default: SmolLM2)")
+    parser = argparse.ArgumentParser(
+        prog="sieproxy-engine prepare",
+        description="Convert the model into the cache and build the decode kernels, ahead of "
+        "the first start.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="example: sieproxy-engine prepare --model ./model.gguf",
+    )
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="'default' (SmolLM2-135M-Instruct), an HF model dir or a .gguf file",
+    )
     args = parser.parse_args(list(argv))
     from engine.cpu.kernels import load_kernels  # type: ignore[import-not-found,unused-ignore]
     from engine.cpu.model_store import resolve_model  # type: ignore[import-not-found,unused-ignore]
@@ -137,9 +199,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``sieproxy-engine``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__ if argv else _USAGE, file=sys.stderr if not argv else sys.stdout)
+        print(HELP if argv else _USAGE, file=sys.stderr if not argv else sys.stdout)
         return 0 if argv else 2
+    if argv[0] == "--version":
+        from engine import __version__
+
+        print(f"sieproxy-engine {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
+    watch_parent()
     if command == "launch":
         return _launch(rest)
     if command == "fake":

@@ -42,6 +42,7 @@ import argparse
 import enum
 import json
 import math
+import os
 import sys
 import time
 import uuid
@@ -732,6 +733,8 @@ class FakeEngine:
             "internal_states": [{"last_gen_throughput": 0.0}],
             "version": "0.5.23",
             "frontend": "fake",
+            # Set by a gateway for its embedded engine (it checks that it talks to its child).
+            "launch_token": os.environ.get("SIEPROXY_ENGINE_LAUNCH_TOKEN"),
         }
 
     def model_info(self) -> dict[str, Any]:
@@ -1297,17 +1300,22 @@ def _message_text(message: Any) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m engine.fake`` / ``sieproxy-engine fake`` argument parser."""
-    p = argparse.ArgumentParser(prog="engine.fake", description="Scripted fake SGLang engine.")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    p = argparse.ArgumentParser(
+        prog="sieproxy-engine fake",
+        description="Scripted fake SGLang engine.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="example: sieproxy-engine fake --port 30000 --ttft-ms 50 --itl-ms 20 --tokens 64",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="listen address")
+    p.add_argument("--port", type=int, default=30000, help="listen port; 0 picks a free one")
     p.add_argument("--ttft-ms", type=float, default=0.0, help="time to first token")
     p.add_argument("--itl-ms", type=float, default=0.0, help="inter-token interval")
     p.add_argument("--tokens", type=int, default=None,
-                   help="tokens per generation (default: max_new_tokens)")  # fmt: skip
+                   help="tokens per generation (None: the request's max_new_tokens)")  # fmt: skip
     p.add_argument("--incremental", action="store_true", help="delta text instead of cumulative")
-    p.add_argument("--model-path", default="fake/fake-model")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--context-length", type=int, default=8192)
+    p.add_argument("--model-path", default="fake/fake-model", help="reported in /model_info")
+    p.add_argument("--served-model-name", default=None, help="the model's name (None: the path)")
+    p.add_argument("--context-length", type=int, default=8192, help="reported context length")
     return p
 
 

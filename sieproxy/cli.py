@@ -5,26 +5,69 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from functools import partial
 
 import trio
 
+from . import __version__
+from .child import PortInUse
 from .settings import ConfigError, as_dict, load_settings
 
 __all__ = ["main"]
 
+_DESCRIPTION = "OpenAI-compatible streaming gateway in front of SGLang engines."
+_EPILOG = """\
+examples:
+  sieproxy serve                         the default model on the embedded CPU engine,
+                                         API at http://127.0.0.1:8000/v1
+  sieproxy serve --port 8001             a second instance next to the first
+  sieproxy serve --config gateway.toml   the engines and models of a settings file
+  sieproxy config --config gateway.toml  check a settings file, print the effective one
+
+Ctrl-C drains the running streams (up to gateway.shutdown_grace); Ctrl-C again stops now.
+Documentation: README.md and docs/ in the source tree."""
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sieproxy", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("serve", help="serve the gateway (default: the embedded CPU engine)")
-    s.add_argument("--config", help="TOML settings file (default: $SIEPROXY_CONFIG or none)")
-    s.add_argument("--host", help="listen address (overrides gateway.host)")
-    s.add_argument("--port", type=int, help="listen port (overrides gateway.port)")
-    c = sub.add_parser("config", help="print the effective settings (tokens redacted)")
-    c.add_argument("--config")
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(
+        prog="sieproxy", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=fmt
+    )
+    p.add_argument("--version", action="version", version=f"sieproxy {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{serve,config}")
+    s = sub.add_parser(
+        "serve",
+        help="serve the gateway (default: the embedded CPU engine)",
+        description="Serve the gateway. With no settings file: the default model\n"
+        "(SmolLM2-135M-Instruct) on the embedded CPU engine.",
+        epilog=_EPILOG,
+        formatter_class=fmt,
+    )
+    s.add_argument(
+        "--config", metavar="FILE", help="TOML settings file (default: $SIEPROXY_CONFIG, or none)"
+    )
+    s.add_argument("--host", help="listen address (default: gateway.host, 127.0.0.1)")
+    s.add_argument("--port", type=int, help="listen port (default: gateway.port, 8000)")
+    c = sub.add_parser(
+        "config",
+        help="print the effective settings (tokens redacted)",
+        description="Check the settings and print the effective ones (tokens redacted).",
+    )
+    c.add_argument(
+        "--config", metavar="FILE", help="TOML settings file (default: $SIEPROXY_CONFIG, or none)"
+    )
     return p
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind a failed start (a bind), also inside Trio's exception groups."""
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        return _os_error(exc.exceptions[0])
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,13 +95,32 @@ def main(argv: list[str] | None = None) -> int:
 
     tune_gc()
     try:
-        trio.run(partial(serve, settings, config_path=args.config))
+        forced = trio.run(partial(serve, settings, config_path=args.config))
     except ConfigError as exc:
         print(f"sieproxy: configuration error: {exc}", file=sys.stderr)
         return 2
+    except PortInUse as exc:
+        print(f"sieproxy: cannot start: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, BaseExceptionGroup) as exc:  # the port taken after claim_ports' check
+        err = _os_error(exc)
+        if err is None:
+            raise
+        print(f"sieproxy: cannot start: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
-    return 0
+    finally:
+        # Stopping: a late signal must not become a traceback or a non-zero status now. A
+        # handler, not SIG_IGN: an ignored signal would stay ignored in any process started
+        # from this one later (exec keeps SIG_IGN; it resets handlers).
+        signal.signal(signal.SIGINT, _late_signal)
+        signal.signal(signal.SIGTERM, _late_signal)
+    return 130 if forced else 0
+
+
+def _late_signal(signum: int, frame: object) -> None:
+    """Signals after the gateway stopped: it is exiting anyway."""
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ Admission: a replica holds at most ``replica_max_inflight`` candidates. When eve
 replica is full the request waits (bounded by ``admission_wait``), then gets 503 + Retry-After.
 
 Health: a background task per replica polls ``/health`` (and ``/server_info`` once, to learn the
-text mode). A failed check takes a replica out until a check passes again. Requests failing
+text mode, and — for the embedded engine — to check its per-launch token after every outage).
+A failed check takes a replica out until a check passes again. Requests failing
 with a server-side error ``breaker_failures`` times in a row open its circuit breaker: the
 replica is out for a backoff that doubles on each further opening up to ``breaker_backoff_max``
 (a successful request resets the streak and the backoff; client errors, 4xx, never count).
@@ -70,6 +71,7 @@ class Replica:
     opened_at: float = 0.0  # trio time the circuit last opened
     backoff: float = 0.0
     retired: bool = False  # dropped by a config reload: never chosen, its watcher stops
+    foreign: bool = False  # the process answering at url is not the expected engine
 
     def matches(self, h: RouteHints) -> bool:
         return (h.pool is None or h.pool == self.pool) and (
@@ -95,6 +97,9 @@ class ModelPool:
         self._watch_with: tuple[trio.Nursery, EngineClient] | None = None
         #: False while the model's chat template is still being discovered from an engine.
         self.gate_open = True
+        #: The embedded engine's per-launch token: a replica becomes ready only once its
+        #: ``/server_info`` reports it (another process on the port is never taken for it).
+        self.launch_token: str | None = None
 
     def _labels(self) -> None:
         self.pools = frozenset(r.pool for r in self.replicas if r.pool)
@@ -265,21 +270,30 @@ class ModelPool:
         g = self._g
         while not r.retired:
             started = trio.current_time()
-            ok = False
+            ok = foreign = False
             why = "its /health did not answer 200"
             with trio.move_on_after(g.health_timeout) as scope:
                 try:
                     ok = await client.health(r.url)
                     if ok and not r.info_loaded:
                         info = await client.server_info(r.url)
-                        r.incremental = bool(info.get("incremental_streaming_output", False))
-                        r.info_loaded = True
+                        if self.launch_token and info.get("launch_token") != self.launch_token:
+                            ok, foreign = False, True
+                            why = "the process answering there is not this gateway's engine"
+                        else:
+                            r.incremental = bool(info.get("incremental_streaming_output", False))
+                            r.info_loaded = True
                 except Exception as exc:
                     ok = False
                     why = f"its check failed ({type(exc).__name__})"
             if scope.cancelled_caught:
                 ok = False
                 why = f"its check took longer than {g.health_timeout:g} s"
+            if foreign and not r.foreign:
+                log.error("replica %s of %s is not used: %s", r.url, self.model, why)
+            r.foreign = foreign
+            if not ok and self.launch_token:
+                r.info_loaded = False  # after an outage, check who answers there again
             # One log line per transition, when a replica leaves or returns.
             if ok and started > r.opened_at and r.out_until > trio.current_time():
                 self._close_breaker(r)

@@ -65,6 +65,7 @@ from .core.errors import (
     EngineUnreachable,
     GatewayError,
     InternalError,
+    ServiceUnavailable,
     UpstreamError,
 )
 from .core.events import CandidateDelta, CandidateFinish
@@ -479,6 +480,12 @@ class GenerationBody:
             # The writer of this response was parked when the candidate was aborted: should the
             # client read again, the stream ends with an error event, not a silent cut.
             return ClientStalled()
+        if cause == "shutdown":  # see ``shut_down``
+            return ServiceUnavailable(
+                "The gateway is shutting down and stopped this generation before it finished; "
+                "retry on another instance.",
+                retry_after=self._g.retry_after,
+            )
         if err is None:
             self._pool.record_success(self.replica)
             return None
@@ -907,6 +914,21 @@ class GenerationBody:
         log.info("request %s: client stalled; aborting upstream", self.stats.request_id)
         self._cancel_all("stall")
         return self._il is not None
+
+    def shut_down(self) -> None:
+        """The gateway's shutdown grace is over: end this request now. Every candidate is
+        aborted upstream, as when the client leaves, and the client gets a 503 "shutting down"
+        error — an SSE error event and ``[DONE]`` once a stream has started — instead of a cut
+        connection. An inline reader waiting for the engine is woken (its connection closed, as
+        the wait timer does); one busy relaying stops at its next wait."""
+        if not self.entered or self._done:
+            return
+        self._cancel_all("shutdown")
+        il = self._il
+        if il is not None and il.waiting and il.resp is not None:
+            if self._pump is not None:  # out of the pump (if parked) before its socket closes
+                self._pump.unpark(il.resp.fileno())
+            il.resp.close()
 
     async def abort_stalled(self) -> None:
         """The inline candidate of a stalled client: close its upstream connection (nobody

@@ -9,16 +9,23 @@ with no configured chat template — discovery of the template from the engine's
 CPU engine does). Until discovery has run, the model is not ready (503 "model loading").
 
 Shutdown: on SIGTERM/SIGINT the gateway stops accepting connections, answers new requests on
-open connections with 503, lets in-flight streams run for ``shutdown_grace`` seconds, then
-cancels them — which aborts every unfinished candidate upstream — and stops the engine child.
+open connections with 503, lets in-flight streams run for ``shutdown_grace`` seconds, then ends
+them — every unfinished candidate aborted upstream, each client sent a 503 "shutting down"
+error event and [DONE] — cancels what is still left, and stops the engine child (after the
+aborts, so they reach it). During the drain a SIGTERM is logged and changes nothing (tox and
+process managers follow SIGINT with SIGTERM within a second); a second SIGINT — a second
+Ctrl-C — ends the streams the same way at once.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
+import secrets
 import signal
 from dataclasses import replace
+from functools import partial
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -28,7 +35,7 @@ from quart import Quart
 
 from .app import GatewayState, create_app
 from .auth import Authenticator
-from .child import engine_argv, supervise_child
+from .child import LAUNCH_TOKEN_ENV, PortInUse, claim_port, engine_argv, supervise_child
 from .core.errors import GatewayError
 from .core.profile import ModelProfile
 from .core.template import check_template
@@ -47,7 +54,7 @@ from .settings import (
 )
 from .tokenizer_dir import read_tokenizer_dir
 
-__all__ = ["build_app", "build_state", "serve"]
+__all__ = ["build_app", "build_state", "claim_ports", "serve"]
 
 log = logging.getLogger("sieproxy")
 
@@ -100,6 +107,8 @@ def build_state(settings: Settings) -> GatewayState:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     pools = {name: ModelPool(name, _specs(m), g) for name, m in models.items()}
+    if settings.embedded_engine.enabled:
+        pools[settings.embedded_engine.served_name].launch_token = secrets.token_urlsafe(16)
     for name, m in models.items():
         if not m.tokenizer and not m.chat_template:
             pools[name].gate_open = False  # discover the template from the engine first
@@ -210,15 +219,44 @@ def hypercorn_config(settings: Settings) -> HypercornConfig:
     g = settings.gateway
     cfg = HypercornConfig()
     cfg.bind = [f"{g.host}:{g.port}"]
-    cfg.graceful_timeout = g.shutdown_grace
+    # Hypercorn cancels what is left after its graceful timeout; the gateway's own drain
+    # (``serve``) ends requests with an error event at shutdown_grace first, and cancels after.
+    cfg.graceful_timeout = g.shutdown_grace + g.abort_timeout + 2
     cfg.keep_alive_timeout = 75  # longer than typical client/LB idle timeouts
     cfg.backlog = 2048
     cfg.accesslog = None  # the gateway writes its own structured access log
-    cfg.errorlog = "-"
+    # Hypercorn's own logger, through the root handler: with errorlog "-" Hypercorn adds a
+    # handler *and* propagates, and every line ("Running on ...") was printed twice.
+    cfg.errorlog = logging.getLogger("hypercorn.error")
     cfg.h11_max_incomplete_size = 64 * 1024  # header floods get 400/431 quickly
     # No cfg.read_timeout: Hypercorn applies it while a response is still being sent, which
     # would cut long streams; request bodies are bounded by Quart's BODY_TIMEOUT instead.
     return cfg
+
+
+def claim_ports(settings: Settings) -> None:
+    """Check the gateway's port and give the embedded engine one of its own, before starting.
+
+    A taken port raises ``PortInUse`` naming it and what holds it (one line from the command
+    line, instead of a traceback from the bind, or an engine restarting in a loop behind a
+    gateway that answers from another instance's engine). ``embedded_engine.port = 0`` (the
+    default) becomes a free port, fixed for this run.
+    """
+    g, e = settings.gateway, settings.embedded_engine
+    if g.port:
+        try:
+            claim_port(g.host, g.port)
+        except PortInUse as exc:
+            raise PortInUse(f"the gateway's port {exc}; choose another with --port") from None
+    if not e.enabled:
+        return
+    try:
+        e.port = claim_port(e.host, e.port)
+    except PortInUse as exc:
+        raise PortInUse(
+            f"the embedded engine's port (embedded_engine.port) {exc}; "
+            "choose another, or 0 to pick a free one"
+        ) from None
 
 
 async def serve(
@@ -228,43 +266,110 @@ async def serve(
     shutdown_trigger: trio.Event | None = None,
     app: Quart | None = None,
     config_path: str | None = None,
-) -> None:
+) -> bool:
     """Serve until SIGTERM/SIGINT (or ``shutdown_trigger``); ``task_status`` gets the binds.
 
     Without a ``shutdown_trigger`` (a real process), SIGHUP reloads ``config_path`` (or
-    ``$SIEPROXY_CONFIG``; see ``reload_settings``)."""
+    ``$SIEPROXY_CONFIG``; see ``reload_settings``). Returns True when a second SIGINT cut the
+    drain short."""
     if app is None:
+        claim_ports(settings)
         app = build_app(settings)
+    web: Quart = app
     state: GatewayState = app.extensions["sieproxy"]
     cfg = hypercorn_config(settings)
     install_hypercorn_io()
     stop = shutdown_trigger if shutdown_trigger is not None else trio.Event()
+    forced: list[bool] = []
 
     async def _trigger() -> None:
         await stop.wait()
         state.draining = True
-        log.info("shutting down: draining %d in-flight requests", len(state.active))
+        if shutdown_trigger is not None:  # with signals, their handler says it
+            log.info("shutting down: draining %d in-flight requests", len(state.active))
 
     async def _drain(nursery: trio.Nursery) -> None:
         # Hypercorn's trio worker waits out the whole grace period while any idle keep-alive
         # connection is open; return as soon as the in-flight responses are all sent instead.
         await stop.wait()
-        with trio.move_on_after(settings.gateway.shutdown_grace):
+        g = settings.gateway
+        with trio.move_on_after(g.shutdown_grace):
             while state.active:  # noqa: ASYNC110 - bounded polling, during shutdown only
                 await trio.sleep(0.02)
+        if state.active:
+            # The grace is over: each request ends with a 503 "shutting down" (an SSE error
+            # event and [DONE] on a started stream), aborted upstream; then whatever is left
+            # (a client that does not read, say) is cancelled.
+            log.warning(
+                "shutdown grace of %g s over: stopping %d request(s)",
+                g.shutdown_grace,
+                len(state.active),
+            )
+            await _stop_requests(state, nursery.cancel_scope, g.abort_timeout + 1)
         nursery.cancel_scope.cancel()
 
-    async with trio.open_nursery() as nursery:
+    # The engine child lives in the outer nursery: it is stopped only once the inner one (the
+    # HTTP server and every request in it, with their shielded upstream aborts) has finished.
+    # The signal handler lives there too, so no signal is left to Python until serve returns.
+    now = trio.CancelScope()  # the inner nursery's, for "stop now"
+    async with trio.open_nursery() as outer:
         e = settings.embedded_engine
-        if e.enabled:
-            argv = engine_argv(e.model, e.host, e.port, e.served_name, e.extra_args)
-            nursery.start_soon(lambda: supervise_child(argv, name="cpu-engine"))
+        token = state.pools[e.served_name].launch_token if e.enabled else None
+        if e.enabled and token:
+            argv = engine_argv(e.model, e.host, e.port, e.served_name, e.extra_args, kind=e.kind)
+            env = {**os.environ, LAUNCH_TOKEN_ENV: token}
+            outer.start_soon(partial(supervise_child, argv, name=f"{e.kind}-engine", env=env))
         if shutdown_trigger is None:
-            nursery.start_soon(_wait_signals, stop)
-            nursery.start_soon(_reload_on_sighup, state, config_path)
-        nursery.start_soon(_drain, nursery)
-        await hypercorn_serve(app, cfg, shutdown_trigger=_trigger, task_status=task_status)
-        nursery.cancel_scope.cancel()
+            outer.start_soon(_on_signals, stop, state, now, forced)
+            if os.environ.get(EXIT_WITH_PARENT_ENV, "").strip() in ("1", "true", "yes"):
+                outer.start_soon(_watch_parent, stop, os.getppid())
+        with now:
+            async with trio.open_nursery() as nursery:
+
+                async def _http(task_status: trio.TaskStatus[list[str]]) -> None:
+                    await hypercorn_serve(
+                        web, cfg, shutdown_trigger=_trigger, task_status=task_status
+                    )
+                    nursery.cancel_scope.cancel()
+
+                if shutdown_trigger is None:
+                    nursery.start_soon(_reload_on_sighup, state, config_path)
+                nursery.start_soon(_drain, nursery)
+                binds: list[str] = await nursery.start(_http)
+                task_status.started(binds)
+                nursery.start_soon(_announce_ready, state, binds)
+        outer.cancel_scope.cancel()
+    return bool(forced)
+
+
+#: Set (to 1) by ``tox -e serve``: stop like on SIGTERM once the parent process is gone.
+EXIT_WITH_PARENT_ENV = "SIEPROXY_EXIT_WITH_PARENT"
+
+
+async def _watch_parent(stop: trio.Event, parent: int, every: float = 0.5) -> None:
+    """Drain and stop (as on SIGTERM) once the process that started this one is gone, so a
+    SIGKILLed tox leaves nothing running. Opt-in: a gateway started with ``nohup ... &`` is
+    meant to outlive its shell."""
+    while os.getppid() == parent:  # polled: no event tells of a parent's death
+        with trio.move_on_after(every):
+            await stop.wait()
+        if stop.is_set():
+            return
+    if not stop.is_set():
+        log.warning("the parent process (pid %d) is gone: shutting down", parent)
+        stop.set()
+
+
+async def _announce_ready(state: GatewayState, binds: list[str]) -> None:
+    """One line once every model can be served: where the API is and what it serves."""
+
+    def ready() -> bool:
+        return all(p.gate_open and any(r.ready for r in p.replicas) for p in state.pools.values())
+
+    while not ready():  # noqa: ASYNC110 - polled a few times a second, once, at start
+        await trio.sleep(0.1)
+    names = ", ".join(state.pools) or "no models"
+    log.info("ready: %s/v1 — %s", binds[0] if binds else "(no listener)", names)
 
 
 def reload_settings(state: GatewayState, path: str | None) -> list[str]:
@@ -279,6 +384,10 @@ def reload_settings(state: GatewayState, path: str | None) -> list[str]:
     new = load_settings(path)
     old = state.settings
     done: list[str] = []
+    # The running engine child keeps its settings (and the port picked for it at start).
+    if struct_replace(new.embedded_engine, port=old.embedded_engine.port) != old.embedded_engine:
+        done.append("[embedded_engine] settings need a restart")
+    new.embedded_engine = old.embedded_engine
     tokens = new.auth_tokens()  # reads tokens_file: once
     state.auth = Authenticator(new.gateway.auth, tokens)
     done.append(f"auth {'on' if new.gateway.auth else 'off'}, {len(tokens)} token(s)")
@@ -315,8 +424,58 @@ async def _reload_on_sighup(state: GatewayState, path: str | None) -> None:
             log.warning("SIGHUP: configuration reloaded: %s", "; ".join(lines))
 
 
-async def _wait_signals(stop: trio.Event) -> None:
+async def _stop_requests(state: GatewayState, scope: trio.CancelScope, within: float) -> None:
+    """End every in-flight request now — aborted upstream, its client told with a 503 "shutting
+    down" (an SSE error event and [DONE] on a started stream) — then cancel ``scope`` once they
+    are all gone, or after ``within`` seconds (a client that does not read)."""
+    for body in list(state.active):
+        body.shut_down()
+    with trio.move_on_after(within):
+        while state.active:  # noqa: ASYNC110 - bounded polling, during shutdown only
+            await trio.sleep(0.02)
+    scope.cancel()
+
+
+async def _on_signals(
+    stop: trio.Event, state: GatewayState, scope: trio.CancelScope, forced: list[bool]
+) -> None:
+    """One log line per signal. The first SIGINT/SIGTERM starts the drain; a SIGTERM during it
+    changes nothing; a second SIGINT (a second Ctrl-C) ends the in-flight requests now (within
+    a second; a third cancels them at once).
+
+    The receiver stays open until ``serve`` returns, so no signal turns into a
+    ``KeyboardInterrupt`` traceback while the gateway stops."""
+    grace = state.settings.gateway.shutdown_grace
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for _ in signals:
-            stop.set()
-            return
+        async with trio.open_nursery() as tasks:
+            started = 0.0
+            async for signum in signals:
+                name, n = signal.Signals(signum).name, len(state.active)
+                if not stop.is_set():
+                    started = trio.current_time()
+                    log.warning(
+                        "%s: shutting down, draining %d in-flight request(s) for up to %g s "
+                        "(Ctrl-C again to stop now)",
+                        name,
+                        n,
+                        grace,
+                    )
+                    stop.set()
+                elif signum == signal.SIGINT and forced:
+                    log.warning("SIGINT a third time: cancelling the %d request(s) left", n)
+                    scope.cancel()
+                elif signum == signal.SIGINT:
+                    log.warning(
+                        "SIGINT again: stopping now, aborting %d in-flight request(s) upstream", n
+                    )
+                    forced.append(True)
+                    tasks.start_soon(_stop_requests, state, scope, 1.0)
+                else:
+                    left = max(0.0, grace - (trio.current_time() - started))
+                    log.warning(
+                        "%s during the drain: still draining %d request(s), at most %.0f s more "
+                        "(Ctrl-C stops now)",
+                        name,
+                        n,
+                        left,
+                    )

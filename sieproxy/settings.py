@@ -142,10 +142,13 @@ class EmbeddedEngine(_Conf):
     """The CPU engine the gateway starts as a supervised child when ``enabled``."""
 
     enabled: bool = False
+    #: "cpu" (the CPU engine) or "fake" (the scripted fake engine: no torch, canned text).
+    kind: str = "cpu"
     model: str = "smollm2"
     served_name: str = DEFAULT_MODEL_NAME
     host: str = "127.0.0.1"
-    port: int = 30100
+    #: 0: a free port picked at each start (two gateways never share an engine).
+    port: int = 0
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -297,6 +300,10 @@ def _check(s: Settings, where: str) -> None:
         if m.default_max_tokens is not None and m.default_max_tokens < 1:
             raise bad(f"models.{name}.default_max_tokens", "must be >= 1")
         _check_parsers_and_template(name, m, bad)
+    if s.embedded_engine.kind not in ("cpu", "fake"):
+        raise bad("embedded_engine.kind", "one of cpu, fake")
+    if not 0 <= s.embedded_engine.port <= 65535:
+        raise bad("embedded_engine.port", "must be in [0, 65535] (0 picks a free port)")
     if s.embedded_engine.enabled and s.embedded_engine.served_name in s.models:
         raise bad(
             "embedded_engine.served_name",

@@ -32,7 +32,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -474,6 +476,10 @@ def load_kernels() -> Kernels | None:
             log.info("CPU engine kernels need x86-64 AVX2 (have %s)", capability)
             return None
         names = [field.name for field in fields(Kernels)]
+        started = time.monotonic()
+        cold = not _built(extension_name())
+        if cold:  # about a minute of silence otherwise
+            _say("building the decode kernels (about a minute, once per PyTorch installation)")
         try:
             from torch.utils.cpp_extension import load_inline
 
@@ -488,7 +494,24 @@ def load_kernels() -> Kernels | None:
             log.warning("CPU engine kernels unavailable, using torch ops: %s", exc)
             return None
         _kernels = Kernels(**{name: getattr(module, name) for name in names})
+        if cold:
+            _say(f"decode kernels built in {time.monotonic() - started:.0f} s")
         return _kernels
+
+
+def _built(name: str) -> bool:
+    """Whether ``name``'s compiled module is already in torch's extension cache."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        where = _get_build_directory(name, verbose=False)
+    except Exception:
+        return False
+    return any(f.startswith(name) and f.endswith((".so", ".pyd")) for f in os.listdir(where))
+
+
+def _say(message: str) -> None:
+    print(f"[sieproxy-engine] {message}", file=sys.stderr, flush=True)
 
 
 def pack_weight(weight_t: torch.Tensor) -> torch.Tensor:

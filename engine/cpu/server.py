@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import sys
 import time
@@ -509,6 +510,8 @@ def build_app(engine: CpuEngine) -> QuartTrio:
             "startup_time": engine.load_seconds,
             "internal_states": [stats],
             "ready": engine.ready,
+            # Set by a gateway for its embedded engine (it checks that it talks to its child).
+            "launch_token": os.environ.get("SIEPROXY_ENGINE_LAUNCH_TOKEN"),
             "version": VERSION,
             "frontend": "python",
         }
@@ -561,6 +564,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="sieproxy-engine serve",
         description="CPU engine speaking SGLang's native HTTP protocol (continuous batching).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="example: sieproxy-engine serve --model ./Qwen2.5-0.5B-Instruct --port 30001 "
+        "--threads 4",
     )
     parser.add_argument(
         "--model",
@@ -569,8 +575,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="default",
         help="'default' (SmolLM2-135M-Instruct), an HF model dir or a .gguf file",
     )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    parser.add_argument("--host", default="127.0.0.1", help="listen address")
+    parser.add_argument("--port", type=int, default=30000, help="listen port; 0 picks a free one")
     parser.add_argument(
         "--lora",
         action="append",
@@ -595,12 +601,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=128,
         help="waiting requests before /generate answers 503",
     )
-    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument(
+        "--served-model-name", default=None, help="the model's name in the API (None: its own)"
+    )
     parser.add_argument(
         "--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per scheduler step"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
     return parser.parse_args(argv)
 
 
@@ -625,6 +633,10 @@ async def serve(
     config = HypercornConfig()
     config.bind = [f"{args.host}:{args.port}"]
     config.accesslog = None
+    # Through the root handler, at WARNING: the "listening on" line below says where it is, and
+    # a gateway running this engine prints its own "Running on" line.
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.errorlog.setLevel(logging.WARNING)
     config.keep_alive_timeout = 75
     app.config["ENGINE_HOST"] = args.host
     try:

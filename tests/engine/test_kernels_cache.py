@@ -30,3 +30,31 @@ def test_the_kernels_are_built_under_that_name() -> None:
     if kernels is None:
         pytest.skip("no AVX2, no compiler, or disabled: the engine uses torch ops here")
     assert kernels.small_gemm.__module__ == extension_name()
+
+
+def test_a_cold_build_is_announced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first build takes about a minute: a line says so before the wait, another after.
+    A cached build says nothing. (The compiler is stood in for: the build is not the point.)"""
+    from torch.utils import cpp_extension
+
+    from engine.cpu import kernels
+
+    monkeypatch.setattr(kernels, "_kernels", None)  # restored afterwards, with _loaded
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    name = extension_name()
+    built = tmp_path / name / f"{name}.so"
+
+    def fake_build(**kw: object) -> object:
+        built.parent.mkdir(parents=True, exist_ok=True)
+        built.write_bytes(b"")
+        return type("M", (), {f.name: None for f in kernels.fields(kernels.Kernels)})
+
+    monkeypatch.setattr(cpp_extension, "load_inline", fake_build)
+    for expect_lines in (2, 0):
+        monkeypatch.setattr(kernels, "_loaded", False)
+        assert kernels.load_kernels() is not None
+        err = capsys.readouterr().err
+        assert len([ln for ln in err.splitlines() if "decode kernels" in ln]) == expect_lines, err

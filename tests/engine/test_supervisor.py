@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,25 +14,11 @@ import trio
 
 from engine.cli import launch_spec, main, sglang_argv
 from engine.supervisor import ChildSpec, Supervisor, SupervisorError, SupervisorState
+from tests.procs import alive, free_port
 
 STANDIN = Path(__file__).with_name("standin_sglang.py")
 ROOT = Path(__file__).resolve().parents[2]
 GUARD = 20.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def alive(pid: int) -> bool:
-    """True if ``pid`` runs (a zombie counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 async def wait_dead(*pids: int) -> bool:

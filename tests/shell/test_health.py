@@ -384,3 +384,39 @@ async def test_client_errors_do_not_open_breaker() -> None:
             assert up(gw, 0), "three client errors took the only replica out"
             r = await chat(gw)
             assert r.status_code == 200, r.text
+
+
+async def test_embedded_engine_must_report_its_launch_token(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process answering on the embedded engine's port without the gateway's per-launch
+    token (another instance's engine, say) is never used; the engine reporting it is."""
+    from sieproxy.engine_client import EngineClient
+    from sieproxy.pool import ModelPool
+    from sieproxy.settings import EngineSpec, GatewaySettings
+
+    caplog.set_level(logging.INFO, logger="sieproxy.pool")
+    monkeypatch.delenv("SIEPROXY_ENGINE_LAUNCH_TOKEN", raising=False)
+    g = GatewaySettings(health_interval=0.05, health_timeout=2)
+    engine = FakeEngine()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(engine.serve)
+            pool = ModelPool(MODEL, [EngineSpec(url=f"http://127.0.0.1:{port}")], g)
+            pool.launch_token = "ours"
+            client = EngineClient(g)
+            nursery.start_soon(pool.run_health_checks, client)
+
+            def refusals() -> list[logging.LogRecord]:
+                return [r for r in caplog.records if "not this gateway's engine" in r.message]
+
+            while not refusals():
+                await trio.sleep(0.02)
+            await trio.sleep(0.5)  # about ten more checks
+            assert not pool.replicas[0].ready
+            assert len(refusals()) == 1, refusals()  # logged once, not at every check
+            monkeypatch.setenv("SIEPROXY_ENGINE_LAUNCH_TOKEN", "ours")
+            while not pool.replicas[0].ready:
+                await trio.sleep(0.02)
+            nursery.cancel_scope.cancel()
+        await client.aclose()

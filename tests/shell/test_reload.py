@@ -104,3 +104,28 @@ async def test_sighup_reloads(tmp_path: Path) -> None:
                 await wait_until(lambda: gw.state.auth is not before)
                 nursery.cancel_scope.cancel()
             assert (await chat(gw)).status_code == 401
+
+
+def test_reload_keeps_the_embedded_engine_and_its_picked_port(tmp_path: Path) -> None:
+    """``embedded_engine.port = 0`` is resolved once at start; a reload of the same file must
+    not move the embedded model's replica to port 0, and a changed table needs a restart."""
+    from sieproxy.serve import build_state, claim_ports
+    from sieproxy.settings import load_settings
+
+    path = tmp_path / "e.toml"
+    path.write_text('[embedded_engine]\nenabled = true\nkind = "fake"\n')
+    settings = load_settings(str(path))
+    settings.gateway.port = 0
+    claim_ports(settings)
+    port = settings.embedded_engine.port
+    assert port > 0
+    state = build_state(settings)
+    pool = state.pools[settings.embedded_engine.served_name]
+    assert [r.url for r in pool.replicas] == [f"http://127.0.0.1:{port}"]
+    lines = reload_settings(state, str(path))
+    assert [r.url for r in pool.replicas] == [f"http://127.0.0.1:{port}"], lines
+    assert not any("embedded_engine" in line for line in lines), lines
+    path.write_text('[embedded_engine]\nenabled = true\nkind = "fake"\nmodel = "other"\n')
+    lines = reload_settings(state, str(path))
+    assert "[embedded_engine] settings need a restart" in lines
+    assert [r.url for r in pool.replicas] == [f"http://127.0.0.1:{port}"], lines

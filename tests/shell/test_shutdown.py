@@ -84,7 +84,13 @@ class Outcome:
 
 
 async def stream(
-    s: Served, rid: str, content: str, out: dict[str, Outcome], *, streaming: bool = True
+    s: Served,
+    rid: str,
+    content: str,
+    out: dict[str, Outcome],
+    *,
+    streaming: bool = True,
+    n: int = 1,
 ) -> None:
     o = out[rid] = Outcome()
     body = {
@@ -92,6 +98,7 @@ async def stream(
         "messages": [{"role": "user", "content": content}],
         "max_tokens": 200,
         "stream": streaming,
+        "n": n,
     }
     try:
         async with s.client.stream(
@@ -154,9 +161,18 @@ async def test_graceful_shutdown_finishes_short_and_aborts_long(
                 assert short.done, short.text[-200:]
                 assert "error" not in sse_events(short.text)[-2]
                 long = out[f"long{i}"]
-                assert long.status == 200
-                assert not long.done, "a 10 s stream cannot have finished within the grace"
-            assert not out["longunary"].text.startswith('{"id"')
+                assert long.status == 200 and long.error is None, long
+                # cut at the grace's end, but not silently: an error event, then [DONE]
+                assert long.done, long.text[-300:]
+                events = sse_events(long.text)
+                assert events[-1] == "[DONE]"
+                assert events[-2]["error"]["code"] == "service_unavailable", events[-2]
+                assert "shutting down" in events[-2]["error"]["message"]
+                assert not any("finish_reason" in json.dumps(e) and '"stop"' in json.dumps(e)
+                               for e in events[:-2] if isinstance(e, dict))
+            unary = out["longunary"]
+            assert unary.status == 503 and unary.error is None, unary
+            assert json.loads(unary.text)["error"]["code"] == "service_unavailable"
 
             cut = {"long0-0", "long1-0", "longunary-0"}
             aborted = {rid for e in engines for rid in e.aborts}
@@ -227,3 +243,25 @@ async def test_readyz_reports_draining() -> None:
                     await s.done.wait()
             assert engines[0].aborts == ["keep-0"]
             assert not engines[0].running
+
+
+async def test_grace_end_ends_a_several_candidate_stream_with_an_error_event() -> None:
+    """n > 1 (a task per candidate): at the grace's end both candidates are aborted upstream
+    and the stream ends with the "shutting down" error event and [DONE], not a cut."""
+    with trio.fail_after(20):
+        engines = [FakeEngine(script=script)]
+        async with gateway(engines, shutdown_grace=1) as s:
+            out: dict[str, Outcome] = {}
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(stream, s, "two", "long", out, n=2))
+                with trio.fail_after(5):
+                    while len(engines[0].running) < 2:
+                        await trio.sleep(0.01)
+                s.stop.set()
+                with trio.fail_after(5):
+                    await s.done.wait()
+            o = out["two"]
+            assert o.status == 200 and o.error is None and o.done, o
+            events = sse_events(o.text)
+            assert events[-2]["error"]["code"] == "service_unavailable", events[-2]
+            assert set(engines[0].aborts) == {"two-0", "two-1"}

@@ -122,7 +122,8 @@ class RequestStats:
     completion_tokens: int = 0
     sdk_version: str | None = None
     #: How the response ended for its client: ``complete`` (its end was sent), ``client_closed``
-    #: (the client left first) or ``cut`` (the gateway stopped first: a shutdown's grace ran out).
+    #: (the client left first) or ``cut`` (the gateway stopped first: a shutdown stopping at
+    #: once).
     outcome: str = "complete"
     responded: bool = False  # its status line was sent
 

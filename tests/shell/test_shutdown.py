@@ -186,17 +186,18 @@ async def test_graceful_shutdown_finishes_short_and_aborts_long(
             assert all(e.statistics().running == 0 for e in engines)
             assert not s.state.active
 
-            # The access log says which ones the shutdown cut, and that the unary one got no
-            # status line at all (444, as nginx logs a connection closed without a response).
+            # The access log gives each request's real outcome: the shutdown ended the long ones
+            # with a 503 (an error event after the 200 counts under its error status), and their
+            # end was sent, so none of them was cut.
             access = [r for r in caplog.records if r.name == "sieproxy.access"]
             lines = [json.loads(r.getMessage()) for r in access]
             logged = {ln["request_id"]: (ln["status"], ln["outcome"]) for ln in lines}
             assert {k: v for k, v in logged.items() if k in out} == {
                 "short0": (200, "complete"),
                 "short1": (200, "complete"),
-                "long0": (200, "cut"),
-                "long1": (200, "cut"),
-                "longunary": (444, "cut"),
+                "long0": (503, "complete"),
+                "long1": (503, "complete"),
+                "longunary": (503, "complete"),
             }, lines
 
 

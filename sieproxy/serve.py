@@ -274,7 +274,7 @@ async def serve(
     async with trio.open_nursery() as nursery:
         e = settings.embedded_engine
         if e.enabled:
-            argv = engine_argv(e.model, e.host, e.port, e.served_name, e.extra_args)
+            argv = engine_argv(e.model, e.host, e.port, e.served_name, e.engine_args())
             nursery.start_soon(lambda: supervise_child(argv, name="cpu-engine"))
         if shutdown_trigger is None:
             nursery.start_soon(_wait_signals, stop)

@@ -137,7 +137,16 @@ class EmbeddedEngine(_Conf):
     served_name: str = DEFAULT_MODEL_NAME
     host: str = "127.0.0.1"
     port: int = 30100
+    #: ``--prefix-cache-tokens`` of the engine (None: the engine's default; 0: no cache).
+    prefix_cache_tokens: int | None = None
     extra_args: list[str] = field(default_factory=list)
+
+    def engine_args(self) -> list[str]:
+        """Engine arguments from the keys above, then ``extra_args``."""
+        args = []
+        if self.prefix_cache_tokens is not None:
+            args += ["--prefix-cache-tokens", str(self.prefix_cache_tokens)]
+        return [*args, *self.extra_args]
 
 
 class Settings(_Conf):
@@ -276,6 +285,9 @@ def _check(s: Settings, where: str) -> None:
             raise bad(f"models.{name}.tokenizer", f"not a directory: {m.tokenizer}")
         if m.default_max_tokens is not None and m.default_max_tokens < 1:
             raise bad(f"models.{name}.default_max_tokens", "must be >= 1")
+    cache = s.embedded_engine.prefix_cache_tokens
+    if cache is not None and cache < 0:
+        raise bad("embedded_engine.prefix_cache_tokens", "must be >= 0 (0 disables the cache)")
     if s.embedded_engine.enabled and s.embedded_engine.served_name in s.models:
         raise bad(
             "embedded_engine.served_name",

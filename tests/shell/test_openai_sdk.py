@@ -394,6 +394,21 @@ async def test_usage_carries_cached_tokens() -> None:
         assert last.usage.prompt_tokens_details is not None
         assert last.usage.prompt_tokens_details.cached_tokens == 24  # once, not summed
 
+        def one_stream() -> list[Any]:  # n = 1: its tokens take the express lane
+            return list(
+                client.chat.completions.create(
+                    model=MODEL,
+                    messages=MSGS,
+                    max_tokens=3,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
+
+        last = (await _sync(one_stream))[-1]
+        assert last.usage is not None and last.usage.prompt_tokens_details is not None
+        assert last.usage.prompt_tokens_details.cached_tokens == 32
+
         cmpl = await _sync(
             lambda: client.completions.create(model=MODEL, prompt="Once upon", max_tokens=3)
         )

@@ -107,6 +107,7 @@ class PrefixCache:
             node = child
         return path
 
+    @torch.inference_mode()
     def match(self, adapter: Hashable, tokens: Sequence[int], pool: KVPool, slot: int) -> int:
         """Copy the longest cached prefix of ``tokens`` (whole blocks, at most ``len - 1``
         tokens) into ``slot``; return its length in tokens."""
@@ -118,17 +119,16 @@ class PrefixCache:
         self._touch(path[-1])
         n = len(path) * self.block_size
         pool.ensure(n)
-        blocks = self._store[torch.tensor([node.block for node in path], dtype=torch.long)]
-        # [blocks, layers, 2, kvh, B, D] -> [layers, 2, kvh, blocks * B, D]
-        kv = blocks.permute(1, 2, 3, 0, 4, 5).reshape(
-            blocks.shape[1], 2, blocks.shape[3], n, blocks.shape[5]
-        )
-        for layer in range(kv.shape[0]):
-            pool.k[layer][slot, :, :n] = kv[layer, 0]
-            pool.v[layer][slot, :, :n] = kv[layer, 1]
+        idx = torch.tensor([node.block for node in path], dtype=torch.long)
+        for layer in range(len(pool.k)):
+            for which, dst in ((0, pool.k[layer]), (1, pool.v[layer])):
+                # [blocks, kvh, B, D] -> the slot's [kvh, blocks * B, D], one layer at a time
+                part = dst[slot, :, :n].view(dst.shape[1], len(path), self.block_size, -1)
+                part.copy_(self._store[idx, layer, which].transpose(0, 1))
         self.hits += n
         return n
 
+    @torch.inference_mode()
     def insert(
         self, adapter: Hashable, tokens: Sequence[int], length: int, pool: KVPool, slot: int
     ) -> int:

@@ -30,10 +30,10 @@ The step. Each iteration of the scheduler thread:
    of cumulative state (visible text, number of ids and logprobs, finish reason); the consumer
    may skip intermediate ones, so the scheduler never blocks on a slow client.
 
-A finishing request (stop, length or a client's abort) first offers the KV its slot holds to
-the prefix cache. Requests join and leave between steps, so a finished or aborted request frees
-its slot for the next waiting one at once, and a new request's prefill shares the step with
-running decodes.
+A prompt's KV is offered to the prefix cache as soon as its prefill completes, and a finishing
+request's (stop, length or a client's abort) again with the generated tokens. Requests join and
+leave between steps, so a finished or aborted request frees its slot for the next waiting one at
+once, and a new request's prefill shares the step with running decodes.
 """
 
 from __future__ import annotations
@@ -331,6 +331,7 @@ class Scheduler:
         self._admit()
         segments: list[Segment] = []
         sampled: list[_Seq] = []
+        prefilled: list[_Seq] = []  # prompts whose prefill this step completes
         budget = self.prefill_chunk
         for seq in self._running:
             prompt = seq.req.input_ids
@@ -345,6 +346,8 @@ class Scheduler:
                 budget -= len(chunk)
                 if want:
                     sampled.append(seq)
+                if done:
+                    prefilled.append(seq)
             else:
                 pos = len(prompt) + len(seq.req.output_ids) - 1
                 segments.append(Segment(seq.slot, pos, [seq.req.output_ids[-1]], True))
@@ -355,6 +358,13 @@ class Scheduler:
         logits = self.model.forward(segments, self.pool, self._lora_batch(segments))
         for i, seq in enumerate(sampled):
             self._sample_and_append(seq, logits[i])
+        # Requests admitted from now on share these prompts at once (after the first tokens
+        # went out: the copy is not on their time to first token). Finished ones were offered
+        # already.
+        for seq in prefilled:
+            if seq.finish is None:
+                prompt = seq.req.input_ids
+                self.cache.insert(_adapter_key(seq.req), prompt, len(prompt), self.pool, seq.slot)
         for seq in list(self._running):
             if seq.max_new == 0 and seq.prefilled == len(seq.req.input_ids):
                 self._finish(seq, {"type": "length", "length": 0})

@@ -265,3 +265,23 @@ def test_adapters_do_not_share_entries(engine: CpuEngine) -> None:
     assert cached > 0 and again == adapted
     again, cached = _greedy(engine, ids)
     assert cached > 0 and again == base
+
+
+@pm
+def test_a_running_requests_prompt_is_shared_before_it_finishes(engine: CpuEngine) -> None:
+    sched = engine.scheduler
+    assert sched is not None
+    ids = engine.encode(SYSTEM + "Describe the water cycle in detail.")
+    other = engine.encode(SYSTEM + "Describe the carbon cycle.")
+    _flush(engine)
+    ref, _ = _greedy(engine, other)
+    _flush(engine)
+    long, col = make_request(engine, ids, temperature=0, max_new_tokens=400, ignore_eos=True)
+    sched.submit(long)
+    while not long.output_ids:
+        assert not col.done.wait(0.02)
+    out, cached = _greedy(engine, other)
+    assert not col.done.is_set()  # the first request is still decoding
+    assert cached > 0 and out == ref
+    sched.abort(long.rid)
+    col.wait(30)

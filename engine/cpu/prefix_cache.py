@@ -107,6 +107,12 @@ class PrefixCache:
             node = child
         return path
 
+    def cached_length(self, adapter: Hashable, tokens: Sequence[int]) -> int:
+        """How many tokens of ``tokens`` :meth:`match` would copy (no copy, no LRU refresh)."""
+        if not self.capacity:
+            return 0
+        return len(self._walk(adapter, tokens, len(tokens) - 1)) * self.block_size
+
     @torch.inference_mode()
     def match(self, adapter: Hashable, tokens: Sequence[int], pool: KVPool, slot: int) -> int:
         """Copy the longest cached prefix of ``tokens`` (whole blocks, at most ``len - 1``

@@ -17,7 +17,8 @@ The step. Each iteration of the scheduler thread:
    frees its KV slot and finishes with "Aborted";
 3. admits waiting requests while KV slots are free (``max_running`` slots), copying the longest
    cached prefix of each prompt into its slot (:mod:`engine.cpu.prefix_cache`); prefill starts
-   after it;
+   after it. A request sharing uncached blocks with a prompt still being prefilled waits for
+   that prefill to be cached first;
 4. plans one forward: one decode token for every running sequence, plus prefill chunks of newly
    admitted sequences (at most ``prefill_chunk`` prompt tokens per step, so a long prompt delays
    the running streams by bounded amounts);
@@ -316,8 +317,12 @@ class Scheduler:
             self._finish(seq, _abort(message, status))
 
     def _admit(self) -> None:
+        deferred: list[_Seq] = []
         while self._waiting and self.pool.free_slots:
             seq = self._waiting.popleft()
+            if self._awaits_shared_prefill(seq):
+                deferred.append(seq)
+                continue
             seq.slot = self.pool.allocate()
             req = seq.req
             cached = self.cache.match(_adapter_key(req), req.input_ids, self.pool, seq.slot)
@@ -326,6 +331,37 @@ class Scheduler:
             if p.has_penalties:
                 seq.penalties = PenaltyState(self.model.config.vocab_size, seq.req.input_ids)
             self._running.append(seq)
+        self._waiting.extendleft(reversed(deferred))
+
+    def _awaits_shared_prefill(self, seq: _Seq) -> bool:
+        """Whether a running request is still prefilling whole blocks of ``seq``'s prompt that
+        the cache does not hold yet (the ``n`` candidates of one prompt, say): ``seq`` then
+        waits for that prefill to complete and be cached rather than compute it again. It costs
+        ``seq`` nothing: prefill chunks go to running requests in admission order anyway."""
+        cache = self.cache
+        if not cache.enabled:
+            return False
+        prompt = seq.req.input_ids
+        key = _adapter_key(seq.req)
+        block = cache.block_size
+        have = -1  # what the cache holds of it, looked up once, if needed
+        for other in self._running:
+            theirs = other.req.input_ids
+            if other.prefilled >= len(theirs) or _adapter_key(other.req) is not key:
+                continue
+            limit = min(len(prompt) - 1, len(theirs)) // block * block
+            if limit <= 0 or prompt[:block] != theirs[:block]:
+                continue
+            common = limit
+            for start in range(block, limit, block):  # whole blocks, compared in C
+                if prompt[start : start + block] != theirs[start : start + block]:
+                    common = start
+                    break
+            if have < 0:
+                have = cache.cached_length(key, prompt)
+            if common > have:
+                return True
+        return False
 
     def _step(self) -> None:
         self._admit()

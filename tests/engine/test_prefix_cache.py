@@ -60,6 +60,7 @@ def test_match_copies_whole_blocks_and_keeps_the_last_token() -> None:
     assert cache.insert(None, a, len(a), pool, 0) == 2
     assert cache.cached_blocks == 2
     b = [*a[:8], 50, 51, 52]
+    assert cache.cached_length(None, b) == 8
     assert cache.match(None, b, pool, 1) == 8
     _check(pool, 1, a, 8)
     # Exactly the cached length: the last token is left to compute (its logits are needed).
@@ -285,3 +286,21 @@ def test_a_running_requests_prompt_is_shared_before_it_finishes(engine: CpuEngin
     assert cached > 0 and out == ref
     sched.abort(long.rid)
     col.wait(30)
+
+
+@pm
+def test_requests_arriving_together_prefill_a_shared_prompt_once(engine: CpuEngine) -> None:
+    ids = engine.encode(SYSTEM * 3 + "Question: name three rivers of Europe.")
+    _flush(engine)
+    ref, _ = _greedy(engine, ids)
+    _flush(engine)
+    pairs = [make_request(engine, ids, temperature=0, max_new_tokens=16, ignore_eos=True)
+             for _ in range(3)]  # fmt: skip
+    for req, _ in pairs:
+        engine.scheduler.submit(req)  # type: ignore[union-attr]
+    for _, col in pairs:
+        col.wait()
+    cached = sorted(req.cached_tokens for req, _ in pairs)
+    assert cached[0] == 0  # one of them computed the prompt ...
+    assert cached[1] == cached[2] == (len(ids) - 1) // 16 * 16  # ... the others reused it
+    assert all(req.output_ids == ref for req, _ in pairs)

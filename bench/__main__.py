@@ -12,6 +12,8 @@ its own section of bench/RESULTS.md plus SVG plots beside it):
     workers     one vs two Hypercorn worker processes behind one port (saturated throughput)
     token-path  instructions per relayed token in the gateway's own code (valgrind; builds
                 compared exactly, where timed runs on this machine cannot resolve 5 %)
+    prefix-cache  the CPU engine's time to first token per turn of a growing conversation,
+                with its prefix cache and without, in one run; its memory bound under a soak
 
 Method: docs/BENCH-METHOD.md.
 """
@@ -125,6 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--rounds", type=int, default=3,
                     help="--streams: rounds of one timed run per number of streams (default 3)")
     tp.add_argument("--no-results", action="store_true", help="do not touch bench/RESULTS.md")
+    pc = sub.add_parser("prefix-cache", help="CPU engine: TTFT per turn, prefix cache on/off")
+    pc.add_argument("--model", default="default")
+    pc.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    pc.add_argument("--turns", type=int, default=8)
+    pc.add_argument("--reply-tokens", type=int, default=64, help="max tokens of each reply")
+    pc.add_argument("--cache-tokens", type=int, default=8192, help="the cache's bound")
+    pc.add_argument("--soak-prompts", type=int, default=48,
+                    help="distinct prompts of the memory soak (0: no soak)")
+    pc.add_argument("--soak-cache-tokens", type=int, default=1024)
+    pc.add_argument("--no-results", action="store_true", help="do not touch bench/RESULTS.md")
     return p
 
 
@@ -855,6 +867,68 @@ def _token_path_streams(a: argparse.Namespace) -> None:
     _finish(a, "token_path_streams", md, [], path)
 
 
+# ---- prefix-cache -----------------------------------------------------------------------------
+
+
+def cmd_prefix_cache(a: argparse.Namespace) -> None:
+    """The CPU engine's prefix cache: TTFT per turn of one conversation, on and off."""
+    import subprocess
+
+    from bench import prefix_cache as PC
+
+    PROGRESS.phase("loading the model ...")
+    engine = PC.load_engine(a.model, a.threads)
+    PROGRESS.phase(f"conversation of {a.turns} turns, cache off then on per turn ...")
+    rows = PC.conversation_run(engine, a.turns, a.reply_tokens, a.cache_tokens)
+    soak = None
+    if a.soak_prompts:
+        PROGRESS.phase(f"soak: {a.soak_prompts} distinct prompts, bound "
+                       f"{a.soak_cache_tokens} tokens ...")
+        soak = PC.soak_run(engine, a.soak_prompts, a.soak_cache_tokens)
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True, cwd=BENCH_DIR, check=False).stdout.strip()
+    meta = {**_run_meta(), "revision": rev, "model": str(engine.model_path),
+            "threads": a.threads, "reply_tokens": a.reply_tokens, "cache_tokens": a.cache_tokens}
+    path = _save("prefix-cache", meta, rows, extra=soak)
+    table = ["| turn | prompt tokens | cached | TTFT off (s) | TTFT on (s) | off ÷ on | "
+             "same greedy output |", "|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        table.append(f"| {r['turn']} | {r['prompt_tokens']:,} | {r['cached_tokens']:,} | "
+                     f"{r['ttft_off_s']:.3f} | {r['ttft_on_s']:.3f} | {r['speedup']:.1f}× | "
+                     f"{'yes' if r['same_output'] else 'no'} |")
+    later = [r["speedup"] for r in rows if r["turn"] >= 3]
+    worst = min(later) if later else None
+    verdicts = [R.verdict("CPU engine prefix cache: TTFT from turn 3 on ≥ 5× lower than "
+                          "without (same run)", None if worst is None else worst >= 5.0,
+                          "—" if worst is None else f"at least {worst:.1f}× (turns 3–"
+                          f"{rows[-1]['turn']}, prompt up to {rows[-1]['prompt_tokens']:,} "
+                          "tokens)")]
+    lines = [*_intro("prefix_cache — CPU engine, multi-turn time to first token", meta,
+                     f"revision {rev}, {a.threads or 'all'} torch threads, in-process "
+                     "(bench/prefix_cache.py)"),
+             "One conversation (a system message with a reference document, then per turn a "
+             f"user message of about 100 tokens and a greedy reply of at most {a.reply_tokens} "
+             "tokens), each turn's whole history sent through the chat template to a scheduler "
+             "without the cache, then to one with it (same weights, one at a time). TTFT is "
+             "the scheduler's: first token minus submission.", "", *table]
+    if soak is not None:
+        lines += ["", f"Memory bound: {soak['prompts']} distinct prompts through a cache of "
+                  f"{soak['cache_max_tokens']:,} tokens: at most {soak['cache_tokens_max_seen']:,}"
+                  f" tokens held, {soak['evicted_blocks']:,} blocks evicted; RSS "
+                  f"{soak['rss_after_warmup_kib'] / 1024:.1f} MiB after a quarter of them, "
+                  f"{soak['rss_end_kib'] / 1024:.1f} MiB at the end "
+                  f"({soak['rss_growth'] * 100:+.1f}%)."]
+        verdicts.append(R.verdict(
+            "CPU engine prefix cache: bound holds under a soak of distinct prompts, RSS flat "
+            "after warm-up (< 2% growth)",
+            soak["cache_tokens_max_seen"] <= soak["cache_max_tokens"]
+            and soak["rss_growth"] < 0.02,
+            f"held ≤ {soak['cache_tokens_max_seen']:,} of {soak['cache_max_tokens']:,} tokens; "
+            f"RSS {soak['rss_growth'] * 100:+.1f}%"))
+    _finish(a, "prefix_cache", "\n".join(lines), verdicts, path)
+    engine.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     raise_nofile()
@@ -862,7 +936,7 @@ def main(argv: list[str] | None = None) -> int:
         PROGRESS.note("LiteLLM unavailable; continuing without it")
     {"relay": cmd_relay, "latency": cmd_latency, "disconnect": cmd_disconnect,
      "streams": cmd_streams, "soak": cmd_soak, "workers": cmd_workers,
-     "token-path": cmd_token_path}[a.cmd](a)
+     "token-path": cmd_token_path, "prefix-cache": cmd_prefix_cache}[a.cmd](a)
     return 0
 
 

@@ -316,7 +316,7 @@ async def serve(
         e = settings.embedded_engine
         token = state.pools[e.served_name].launch_token if e.enabled else None
         if e.enabled and token:
-            argv = engine_argv(e.model, e.host, e.port, e.served_name, e.extra_args, kind=e.kind)
+            argv = engine_argv(e.model, e.host, e.port, e.served_name, e.engine_args(), kind=e.kind)
             env = {**os.environ, LAUNCH_TOKEN_ENV: token}
             outer.start_soon(partial(supervise_child, argv, name=f"{e.kind}-engine", env=env))
         if shutdown_trigger is None:

@@ -149,7 +149,16 @@ class EmbeddedEngine(_Conf):
     host: str = "127.0.0.1"
     #: 0: a free port picked at each start (two gateways never share an engine).
     port: int = 0
+    #: ``--prefix-cache-tokens`` of the engine (None: the engine's default; 0: no cache).
+    prefix_cache_tokens: int | None = None
     extra_args: list[str] = field(default_factory=list)
+
+    def engine_args(self) -> list[str]:
+        """Engine arguments from the keys above, then ``extra_args``."""
+        args = []
+        if self.prefix_cache_tokens is not None:
+            args += ["--prefix-cache-tokens", str(self.prefix_cache_tokens)]
+        return [*args, *self.extra_args]
 
 
 class Settings(_Conf):
@@ -304,6 +313,11 @@ def _check(s: Settings, where: str) -> None:
         raise bad("embedded_engine.kind", "one of cpu, fake")
     if not 0 <= s.embedded_engine.port <= 65535:
         raise bad("embedded_engine.port", "must be in [0, 65535] (0 picks a free port)")
+    cache = s.embedded_engine.prefix_cache_tokens
+    if cache is not None and cache < 0:
+        raise bad("embedded_engine.prefix_cache_tokens", "must be >= 0 (0 disables the cache)")
+    if cache is not None and s.embedded_engine.kind != "cpu":
+        raise bad("embedded_engine.prefix_cache_tokens", "applies to kind = 'cpu' only")
     if s.embedded_engine.enabled and s.embedded_engine.served_name in s.models:
         raise bad(
             "embedded_engine.served_name",

@@ -90,6 +90,10 @@ BAD_FILES = [
     ("[models.m]\nengines = ['http://x']\ninputs = ['audio']\n", "models.m.inputs", "audio"),
     ("[models.m]\nengines = ['http://x']\ntokenizer = '/nonexistent'\n",
      "models.m.tokenizer", "not a directory"),
+    ("[embedded_engine]\nprefix_cache_tokens = -1\n",
+     "embedded_engine.prefix_cache_tokens", ">= 0"),
+    ("[embedded_engine]\nkind = 'fake'\nprefix_cache_tokens = 64\n",
+     "embedded_engine.prefix_cache_tokens", "cpu"),
 ]  # fmt: skip
 
 
@@ -187,3 +191,17 @@ def test_invalid_toml(tmp_path: Path) -> None:
 def test_unreadable_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_settings(tmp_path / "missing.toml")
+
+
+def test_embedded_engine_prefix_cache_reaches_the_engine_argv(tmp_path: Path) -> None:
+    from sieproxy.child import engine_argv
+
+    text = (
+        "[embedded_engine]\nenabled = true\nprefix_cache_tokens = 0\n"
+        "extra_args = ['--threads', '1']\n"
+    )
+    e = load_settings(_write(tmp_path, text)).embedded_engine
+    argv = engine_argv(e.model, e.host, e.port, e.served_name, e.engine_args())
+    assert argv[-4:] == ["--prefix-cache-tokens", "0", "--threads", "1"]
+    default = load_settings(_write(tmp_path, "[embedded_engine]\nenabled = true\n")).embedded_engine
+    assert "--prefix-cache-tokens" not in default.engine_args()

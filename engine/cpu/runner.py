@@ -23,7 +23,10 @@ from engine.cpu.model import TransformerModel, load_model
 from engine.cpu.model_store import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME, resolve_model
 from engine.cpu.scheduler import Scheduler
 
-__all__ = ["CpuEngine", "EngineConfig"]
+__all__ = ["DEFAULT_PREFIX_CACHE_TOKENS", "CpuEngine", "EngineConfig"]
+
+#: Tokens of KV the prefix cache may hold (46 KB a token for SmolLM2-135M: about 380 MB).
+DEFAULT_PREFIX_CACHE_TOKENS = 8192
 
 log = logging.getLogger("engine.cpu")
 
@@ -38,6 +41,7 @@ class EngineConfig:
     max_running: int = 16
     max_queue: int = 128
     prefill_chunk: int = 256
+    prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS  # 0: no prefix cache
     threads: int = 0  # 0: one per core
 
 
@@ -98,6 +102,7 @@ class CpuEngine:
             max_running=self.config.max_running,
             max_queue=self.config.max_queue,
             prefill_chunk=self.config.prefill_chunk,
+            prefix_cache_tokens=self.config.prefix_cache_tokens,
         )
         self.scheduler.start()
         self.load_seconds = time.monotonic() - started

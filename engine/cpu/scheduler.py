@@ -15,7 +15,10 @@ The step. Each iteration of the scheduler thread:
 1. drains the command queue (blocking only when there is no work at all);
 2. applies aborts: a waiting request finishes with "Abort in waiting queue", a running one
    frees its KV slot and finishes with "Aborted";
-3. admits waiting requests while KV slots are free (``max_running`` slots);
+3. admits waiting requests while KV slots are free (``max_running`` slots), copying the longest
+   cached prefix of each prompt into its slot (:mod:`engine.cpu.prefix_cache`); prefill starts
+   after it. A request sharing uncached blocks with a prompt still being prefilled waits for
+   that prefill to be cached first;
 4. plans one forward: one decode token for every running sequence, plus prefill chunks of newly
    admitted sequences (at most ``prefill_chunk`` prompt tokens per step, so a long prompt delays
    the running streams by bounded amounts);
@@ -28,8 +31,10 @@ The step. Each iteration of the scheduler thread:
    of cumulative state (visible text, number of ids and logprobs, finish reason); the consumer
    may skip intermediate ones, so the scheduler never blocks on a slow client.
 
-Requests join and leave between steps, so a finished or aborted request frees its slot for the
-next waiting one at once, and a new request's prefill shares the step with running decodes.
+A prompt's KV is offered to the prefix cache as soon as its prefill completes, and a finishing
+request's (stop, length or a client's abort) again with the generated tokens. Requests join and
+leave between steps, so a finished or aborted request frees its slot for the next waiting one at
+once, and a new request's prefill shares the step with running decodes.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from engine.cpu.grammar import Constraint
 from engine.cpu.lora import LoraAdapter, LoraBatch
 from engine.cpu.model import KVPool, Segment, TransformerModel
 from engine.cpu.params import UNLIMITED, ParamError, SamplingParams
+from engine.cpu.prefix_cache import PrefixCache
 from engine.cpu.sampling import PenaltyState, SampleResult, process_logits, sample_row
 
 __all__ = ["QueueFullError", "Request", "Scheduler", "Update"]
@@ -98,6 +104,8 @@ class Request:
     output_top_logprobs: list[list[list[Any]] | None] = field(default_factory=list)
     first_token_time: float | None = None
     finish_time: float | None = None
+    #: Prompt tokens whose KV came from the prefix cache (set at admission).
+    cached_tokens: int = 0
 
 
 class _Seq:
@@ -153,6 +161,7 @@ class Scheduler:
         max_running: int = 16,
         max_queue: int = 128,
         prefill_chunk: int = 256,
+        prefix_cache_tokens: int = 0,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -162,6 +171,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.context_length = model.config.context_length
         self.pool = KVPool(model.config, max_running)
+        self.cache = PrefixCache(model.config, prefix_cache_tokens)
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._inflight = 0  # submitted and not finished (guarded by _lock)
@@ -229,6 +239,11 @@ class Scheduler:
         """Abort the request with exactly this rid (no-op if unknown or finished)."""
         self._commands.put(("abort", rid))
 
+    def flush_cache(self, done: Callable[[], None]) -> None:
+        """Empty the prefix cache at the next step boundary, then call ``done`` (on the
+        scheduler thread)."""
+        self._commands.put(("flush", done))
+
     def statistics(self) -> dict[str, Any]:
         """Counters for /server_info."""
         with self._lock:
@@ -240,6 +255,7 @@ class Scheduler:
             "steps": self.steps,
             "generated_tokens": self.generated_tokens,
             "last_gen_throughput": round(self.last_gen_throughput, 3),
+            **self.cache.statistics(),
         }
 
     # -- scheduler thread ----------------------------------------------------------------------
@@ -273,6 +289,9 @@ class Scheduler:
                 self._by_rid[req.rid] = seq
             elif kind == "abort":
                 self._abort_rid(arg)
+            elif kind == "flush":
+                self.cache.flush()
+                arg()
             elif kind == "stop":
                 self._stopping = True
             try:
@@ -298,18 +317,57 @@ class Scheduler:
             self._finish(seq, _abort(message, status))
 
     def _admit(self) -> None:
+        deferred: list[_Seq] = []
         while self._waiting and self.pool.free_slots:
             seq = self._waiting.popleft()
+            if self._awaits_shared_prefill(seq):
+                deferred.append(seq)
+                continue
             seq.slot = self.pool.allocate()
-            p = seq.req.params
+            req = seq.req
+            cached = self.cache.match(_adapter_key(req), req.input_ids, self.pool, seq.slot)
+            seq.prefilled = req.cached_tokens = cached
+            p = req.params
             if p.has_penalties:
                 seq.penalties = PenaltyState(self.model.config.vocab_size, seq.req.input_ids)
             self._running.append(seq)
+        self._waiting.extendleft(reversed(deferred))
+
+    def _awaits_shared_prefill(self, seq: _Seq) -> bool:
+        """Whether a running request is still prefilling whole blocks of ``seq``'s prompt that
+        the cache does not hold yet (the ``n`` candidates of one prompt, say): ``seq`` then
+        waits for that prefill to complete and be cached rather than compute it again. It costs
+        ``seq`` nothing: prefill chunks go to running requests in admission order anyway."""
+        cache = self.cache
+        if not cache.enabled:
+            return False
+        prompt = seq.req.input_ids
+        key = _adapter_key(seq.req)
+        block = cache.block_size
+        have = -1  # what the cache holds of it, looked up once, if needed
+        for other in self._running:
+            theirs = other.req.input_ids
+            if other.prefilled >= len(theirs) or _adapter_key(other.req) is not key:
+                continue
+            limit = min(len(prompt) - 1, len(theirs)) // block * block
+            if limit <= 0 or prompt[:block] != theirs[:block]:
+                continue
+            common = limit
+            for start in range(block, limit, block):  # whole blocks, compared in C
+                if prompt[start : start + block] != theirs[start : start + block]:
+                    common = start
+                    break
+            if have < 0:
+                have = cache.cached_length(key, prompt)
+            if common > have:
+                return True
+        return False
 
     def _step(self) -> None:
         self._admit()
         segments: list[Segment] = []
         sampled: list[_Seq] = []
+        prefilled: list[_Seq] = []  # prompts whose prefill this step completes
         budget = self.prefill_chunk
         for seq in self._running:
             prompt = seq.req.input_ids
@@ -324,6 +382,8 @@ class Scheduler:
                 budget -= len(chunk)
                 if want:
                     sampled.append(seq)
+                if done:
+                    prefilled.append(seq)
             else:
                 pos = len(prompt) + len(seq.req.output_ids) - 1
                 segments.append(Segment(seq.slot, pos, [seq.req.output_ids[-1]], True))
@@ -334,6 +394,13 @@ class Scheduler:
         logits = self.model.forward(segments, self.pool, self._lora_batch(segments))
         for i, seq in enumerate(sampled):
             self._sample_and_append(seq, logits[i])
+        # Requests admitted from now on share these prompts at once (after the first tokens
+        # went out: the copy is not on their time to first token). Finished ones were offered
+        # already.
+        for seq in prefilled:
+            if seq.finish is None:
+                prompt = seq.req.input_ids
+                self.cache.insert(_adapter_key(seq.req), prompt, len(prompt), self.pool, seq.slot)
         for seq in list(self._running):
             if seq.max_new == 0 and seq.prefilled == len(seq.req.input_ids):
                 self._finish(seq, {"type": "length", "length": 0})
@@ -444,6 +511,8 @@ class Scheduler:
         with self._lock:
             self._inflight -= 1
         if seq.slot >= 0:
+            if finish["type"] != "abort" or finish.get("status_code") is None:
+                self._cache_kv(seq)
             self.pool.release(seq.slot)
             if seq in self._running:
                 self._running.remove(seq)
@@ -453,6 +522,18 @@ class Scheduler:
         else:
             seq.visible = seq.text
         self._emit(seq, finish)
+
+    def _cache_kv(self, seq: _Seq) -> None:
+        """Offer the KV ``seq``'s slot holds to the prefix cache: the prompt tokens prefilled
+        so far and, once decoding, every generated token but the last (never fed back)."""
+        req = seq.req
+        prompt = req.input_ids
+        if seq.prefilled < len(prompt):
+            tokens, length = prompt, seq.prefilled
+        else:
+            tokens = prompt + req.output_ids
+            length = len(prompt) + max(len(req.output_ids) - 1, 0)
+        self.cache.insert(_adapter_key(req), tokens, length, self.pool, seq.slot)
 
     def _emit(self, seq: _Seq, finish: FinishReason | None) -> None:
         req = seq.req
@@ -466,6 +547,12 @@ class Scheduler:
             req.on_update(req, update)
         except Exception:  # the consumer is gone (e.g. event loop closed)
             log.debug("on_update failed for %s", req.rid, exc_info=True)
+
+
+def _adapter_key(req: Request) -> LoraAdapter | None:
+    """Prefix-cache namespace: KV computed under an adapter is shared only under that same
+    adapter object (adapters live as long as the engine)."""
+    return req.adapter
 
 
 def _abort(message: str, status_code: int | None = None) -> FinishReason:

@@ -40,7 +40,7 @@ from quart_trio import QuartTrio
 
 from engine.cpu.grammar import GrammarError
 from engine.cpu.params import ContractError, ParamError, SamplingParams, parse_sampling_params
-from engine.cpu.runner import CpuEngine, EngineConfig
+from engine.cpu.runner import DEFAULT_PREFIX_CACHE_TOKENS, CpuEngine, EngineConfig
 from engine.cpu.scheduler import QueueFullError, Request, Update
 
 __all__ = ["build_app", "main", "parse_args", "serve"]
@@ -124,7 +124,7 @@ class _Mux:
             "finish_reason": update.finish,
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": update.n_ids,
-            "cached_tokens": 0,
+            "cached_tokens": req.cached_tokens,
             "reasoning_tokens": 0,
             "weight_version": "default",
             "num_retractions": 0,
@@ -427,6 +427,23 @@ def build_app(engine: CpuEngine) -> QuartTrio:
                 engine.scheduler.abort(rid)
         return Response(b"", status=200)
 
+    async def flush_cache() -> Any:
+        # SGLang's shape: plain text, 200. Safe while requests run: they hold copies.
+        if not engine.ready or engine.scheduler is None:
+            return _http_error("The model is not loaded yet.", 503)
+        done = trio.Event()
+        token = trio.lowlevel.current_trio_token()
+        engine.scheduler.flush_cache(lambda: token.run_sync_soon(done.set))
+        await done.wait()
+        return Response(
+            b"Cache flushed.\nPlease check backend logs for more details. (When there are "
+            b"running or waiting requests, the operation will not be performed.)\n",
+            status=200,
+            content_type="text/plain",
+        )
+
+    app.add_url_rule("/flush_cache", "flush_cache", flush_cache, methods=["GET", "POST"])
+
     async def _health() -> Any:
         if not engine.ready or engine.scheduler is None:
             return Response(b"", status=503)
@@ -607,6 +624,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per scheduler step"
     )
+    parser.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=DEFAULT_PREFIX_CACHE_TOKENS,
+        help="KV tokens kept for reuse by requests sharing a prefix (0: no prefix cache)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
     return parser.parse_args(argv)
@@ -626,6 +649,7 @@ async def serve(
             max_running=args.max_running,
             max_queue=args.max_queue,
             prefill_chunk=args.prefill_chunk,
+            prefix_cache_tokens=args.prefix_cache_tokens,
             threads=args.threads,
         )
     )

@@ -31,7 +31,9 @@ byte prefix; each chunk encodes only its one choice Struct with a module-level m
 ``encode_into`` the frame buffer. Non-streaming text is joined once, at the end.
 
 Usage: ``prompt_tokens`` once per request (every candidate shares the prompt), the completion
-tokens of the *returned* choices summed (reasoning included, shown or not), total = the sum.
+tokens of the *returned* choices summed (reasoning included, shown or not), total = the sum;
+``prompt_tokens_details.cached_tokens`` the engine's ``cached_tokens``, once: the least any
+returned candidate reported.
 
 best_of (non-streaming only): every candidate is collected; :meth:`ChatCollector.losers` names
 unfinished candidates that can no longer be returned so the shell can abort them; the result
@@ -75,10 +77,15 @@ class MergerError(InternalError):
 # ---------------------------------------------------------------- wire Structs (key order = wire)
 
 
+class PromptTokensDetails(Struct):
+    cached_tokens: int
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class _Fn(Struct):
@@ -167,7 +174,10 @@ _EMPTY_DELTA = _Delta()
 def _usage(states: Sequence[ChoiceState], returned: Sequence[ChoiceState]) -> Usage:
     prompt = max((s.prompt_tokens for s in states), default=0)
     completion = sum(s.completion_tokens for s in returned)
-    return Usage(prompt, completion, prompt + completion)
+    # The prompt is counted once, so are its cached tokens: what every returned candidate found
+    # cached (the candidates of one request may also reuse each other's prefix; not counted).
+    cached = min((s.cached_tokens for s in returned), default=0)
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(min(cached, prompt)))
 
 
 def _tool_chunks(calls: list[ToolCallDelta]) -> list[_ToolCallChunk]:

@@ -34,6 +34,7 @@ from sieproxy.core.upstream import GenerateReader
 from .fakes import FakeReasoning, FakeTools
 
 CREATED = 1_700_000_000
+NO_CACHE = {"prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def chat(
@@ -190,6 +191,7 @@ def test_chat_stream_order_contract(n: int, include_usage: bool) -> None:
             "prompt_tokens": 9,
             "completion_tokens": completion,
             "total_tokens": 9 + completion,
+            **NO_CACHE,
         }
     assert stream.phase is StreamPhase.CLOSED
 
@@ -247,7 +249,12 @@ def test_chat_stream_reasoning_and_tools() -> None:
     }
     assert deltas[3] == {"tool_calls": [{"index": 0, "function": {"arguments": "c"}}]}
     assert per[0][-1]["finish_reason"] == "tool_calls"
-    assert events[-2]["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+    assert events[-2]["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 6,
+        "total_tokens": 10,
+        **NO_CACHE,
+    }
 
 
 def test_chat_stream_hidden_reasoning() -> None:
@@ -393,7 +400,12 @@ def test_chat_collector_body() -> None:
         ],
     }
     # prompt counted once, completion summed
-    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 6, "total_tokens": 17}
+    assert body["usage"] == {
+        "prompt_tokens": 11,
+        "completion_tokens": 6,
+        "total_tokens": 17,
+        **NO_CACHE,
+    }
 
 
 def test_chat_collector_without_logprobs_or_reasoning() -> None:
@@ -439,7 +451,12 @@ def test_best_of_ranks_reindexes_and_strips_logprobs() -> None:
     assert [c["message"]["content"] for c in body["choices"]] == ["dd", "b"]
     assert all(c["logprobs"] is None for c in body["choices"])
     # completion tokens of the returned choices only
-    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}
+    assert body["usage"] == {
+        "prompt_tokens": 11,
+        "completion_tokens": 3,
+        "total_tokens": 14,
+        **NO_CACHE,
+    }
 
 
 def test_best_of_with_logprobs_keeps_them() -> None:
@@ -588,7 +605,7 @@ def test_completion_collector() -> None:
         "created": CREATED,
         "model": "m",
         "choices": [{"index": 0, "text": "Hi", "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6, **NO_CACHE},
     }
 
 
@@ -656,3 +673,26 @@ def test_the_events_of_a_token_are_not_tracked_by_the_cycle_collector() -> None:
     ]
     assert [gc.is_tracked(e) for e in events] == [False] * len(events)
     assert events[2].logprobs[0].top[0].logprob == -0.5
+
+
+def test_cached_tokens_in_usage_counted_once() -> None:
+    """The engine's cached_tokens reach usage.prompt_tokens_details: with n > 1 the prompt is
+    counted once, and so are its cached tokens (the least any returned candidate found)."""
+    stream = ChatStream(
+        chat(2, include_usage=True), response_id="chatcmpl-req", model="m", created=CREATED
+    )
+    out = bytearray(stream.start())
+    out += stream.on_delta(0, CandidateDelta("a", 1))
+    out += stream.on_delta(1, CandidateDelta("b", 1))
+    out += stream.on_finish(0, CandidateFinish("length", None, 40, 1, cached_tokens=32))
+    out += stream.on_finish(1, CandidateFinish("length", None, 40, 1, cached_tokens=16))
+    out += stream.end()
+    usage = decode(bytes(out))[-2]["usage"]
+    assert usage["prompt_tokens"] == 40 and usage["prompt_tokens_details"] == {"cached_tokens": 16}
+    c = CompletionCollector(
+        completion(stream=False), response_id="cmpl-req", model="m", created=CREATED
+    )
+    c.on_delta(0, CandidateDelta("Hi", 1))
+    c.on_finish(0, CandidateFinish("stop", None, 20, 1, cached_tokens=16))
+    body = json.loads(c.result())
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -507,3 +508,50 @@ async def test_openai_sdk_stream_helper_n3_tools(gw: CpuGateway) -> None:
     # The SDK's own argument events: one per call of every choice.
     done = [ev for ev in events if ev.type == "tool_calls.function.arguments.done"]
     assert len(done) == sum(len(c.message.tool_calls or []) for c in final.choices)
+
+
+async def test_second_turn_reports_cached_tokens_through_the_sdk(gw: CpuGateway) -> None:
+    """The engine's prefix cache, as a client sees it: the next turn of a conversation (history
+    + reply + new message) reports its reused history in usage.prompt_tokens_details."""
+    system = (
+        "You answer questions about the fictional town of Vellmar in one sentence. Vellmar's "
+        "harbour freezes for eleven weeks each winter; ships then unload at Ostrand. The rail "
+        "line was doubled in 1962 and its bridges were rebuilt in steel after the 1974 flood."
+    )
+    messages: list[Any] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "When does the harbour freeze?"},
+    ]
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=180)
+    try:
+        async with httpx.AsyncClient(base_url=gw.engine.url, timeout=60) as engine:
+            assert (await engine.post("/flush_cache")).status_code == 200
+        first = await _in_thread(
+            lambda: client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=24, temperature=0
+            )
+        )
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "And when was the rail line doubled?"},
+        ]
+
+        def second() -> list[Any]:
+            return list(
+                client.chat.completions.create(
+                    model=MODEL,
+                    messages=messages,
+                    max_tokens=8,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
+
+        usage = (await _in_thread(second))[-1].usage
+        # The whole first prompt is reused (to its last whole 16-token block), and more.
+        assert first.usage.prompt_tokens // 16 * 16 <= usage.prompt_tokens_details.cached_tokens
+        assert usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+    finally:
+        client.close()

@@ -360,3 +360,31 @@ async def test_info_endpoints(server: dict[str, Any]) -> None:
             info = (await c.get(path)).json()
             assert info["is_generation"] is True and info["architectures"] == ["LlamaForCausalLM"]
             assert Path(info["tokenizer_path"], "tokenizer_config.json").is_file()
+
+
+async def test_cached_tokens_and_flush_cache(server: dict[str, Any]) -> None:
+    prompt = (
+        "A long shared preamble that several requests repeat word for word, so that its key "
+        "and value vectors can be served from the prefix cache instead of being computed again. "
+    )
+    body = {"sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    async with client(server) as c:
+        assert (await c.post("/flush_cache")).status_code == 200
+        first = (await c.post("/generate", json={**body, "text": prompt + "One."})).json()
+        assert first["meta_info"]["cached_tokens"] == 0
+        second = (await c.post("/generate", json={**body, "text": prompt + "Two."})).json()
+        cached = second["meta_info"]["cached_tokens"]
+        assert 0 < cached < second["meta_info"]["prompt_tokens"]
+        stream = {**body, "text": prompt + "Three.", "stream": True}
+        async with c.stream("POST", "/generate", json=stream) as r:
+            chunks = await read_sse(r)
+        assert all(ch["meta_info"]["cached_tokens"] == cached for ch in chunks if ch != "[DONE]")
+        info = (await c.get("/server_info")).json()["internal_states"][0]
+        assert info["prefix_cache_tokens"] >= cached
+        flushed = await c.get("/flush_cache")
+        assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed.")
+        info = (await c.get("/server_info")).json()["internal_states"][0]
+        assert info["prefix_cache_tokens"] == 0
+        again = (await c.post("/generate", json={**body, "text": prompt + "Two."})).json()
+        assert again["meta_info"]["cached_tokens"] == 0
+        assert again["text"] == second["text"]

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import openai
 import trio
 
-from engine.fake import Call, DefaultScript, FakeEngine, Plan
+from engine.fake import Call, DefaultScript, FakeEngine, Plan, default_tokens
 
 from .harness import MODEL, Gateway, running_gateway
 
@@ -130,23 +130,25 @@ async def test_sdk_stream_helper_with_n2() -> None:
         client.close()
 
 
+def _two_streamed_with_usage(client: openai.OpenAI) -> list[Any]:
+    """A streamed chat of n = 2, 3 tokens each, with the usage chunk: every chunk."""
+    return list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MSGS,
+            max_tokens=3,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+
+
 async def test_stream_options_include_usage() -> None:
     async with running_gateway() as gw:
         client = _client(gw)
 
-        def run() -> list[Any]:
-            return list(
-                client.chat.completions.create(
-                    model=MODEL,
-                    messages=MSGS,
-                    max_tokens=3,
-                    n=2,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                )
-            )
-
-        chunks = await _sync(run)
+        chunks = await _sync(lambda: _two_streamed_with_usage(client))
         usage_chunks = [c for c in chunks if c.usage is not None]
         assert len(usage_chunks) == 1
         last = chunks[-1]
@@ -363,4 +365,64 @@ async def test_stop_string_split_across_tokens_is_enforced() -> None:
             await engine.wait_for(lambda: all(r in engine.outcomes for r in rids))
         for r in rids:
             assert engine.outcomes[r] in ("aborted", "cancelled"), (r, engine.outcomes[r])
+        client.close()
+
+
+# ---- cached tokens -----------------------------------------------------------------------------
+
+
+def _cached_script(call: Call) -> Plan:
+    """The engine reports part of the prompt as served from its prefix cache; the candidates
+    of one request report different figures (one found more cached than the other)."""
+    texts, ids = default_tokens(call.seed, 3)
+    index = int(call.rid.rsplit("-", 1)[1]) if call.rid.rsplit("-", 1)[1].isdigit() else 0
+    return Plan(tokens=texts, token_ids=ids, prompt_tokens=40, cached_tokens=32 - 8 * index)
+
+
+async def test_usage_carries_cached_tokens() -> None:
+    async with running_gateway(FakeEngine(script=_cached_script)) as gw:
+        client = _client(gw)
+        chat = await _sync(
+            lambda: client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=3)
+        )
+        assert chat.usage is not None and chat.usage.prompt_tokens == 40
+        assert chat.usage.prompt_tokens_details is not None
+        assert chat.usage.prompt_tokens_details.cached_tokens == 32
+
+        last = (await _sync(lambda: _two_streamed_with_usage(client)))[-1]
+        assert last.usage is not None and last.usage.prompt_tokens == 40
+        assert last.usage.prompt_tokens_details is not None
+        assert last.usage.prompt_tokens_details.cached_tokens == 24  # once, not summed
+
+        def one_stream() -> list[Any]:  # n = 1: its tokens take the express lane
+            return list(
+                client.chat.completions.create(
+                    model=MODEL,
+                    messages=MSGS,
+                    max_tokens=3,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
+
+        last = (await _sync(one_stream))[-1]
+        assert last.usage is not None and last.usage.prompt_tokens_details is not None
+        assert last.usage.prompt_tokens_details.cached_tokens == 32
+
+        cmpl = await _sync(
+            lambda: client.completions.create(model=MODEL, prompt="Once upon", max_tokens=3)
+        )
+        assert cmpl.usage is not None and cmpl.usage.prompt_tokens_details is not None
+        assert cmpl.usage.prompt_tokens_details.cached_tokens == 32
+        client.close()
+
+
+async def test_usage_cached_tokens_zero_when_the_engine_reports_none() -> None:
+    async with running_gateway() as gw:
+        client = _client(gw)
+        chat = await _sync(
+            lambda: client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2)
+        )
+        assert chat.usage is not None and chat.usage.prompt_tokens_details is not None
+        assert chat.usage.prompt_tokens_details.cached_tokens == 0
         client.close()

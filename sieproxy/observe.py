@@ -136,10 +136,22 @@ class Observer:
             ["model"],
             registry=r,
         )
+        self.fallbacks = Counter(
+            "sieproxy_fallbacks",
+            "Requests moved before any byte to a fallback of the model they named, by cause "
+            "(no_replica: none ready; full: no room past admission_wait; failed: the engine "
+            "failed in a way the retry rules allow).",
+            ["model", "cause"],
+            registry=r,
+        )
         r.register(_PoolCollector(pools, inflight))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def fallback(self, model: str, cause: str) -> None:
+        """A request for ``model`` moved to one of its fallbacks (before any byte)."""
+        self.fallbacks.labels(model, cause).inc()
 
     def refusal(
         self,

@@ -36,6 +36,7 @@ __all__ = [
     "ConfigError",
     "EmbeddedEngine",
     "EngineSpec",
+    "FallbackSpec",
     "GatewaySettings",
     "ModelSettings",
     "Settings",
@@ -119,9 +120,19 @@ class EngineSpec(_Conf):
     machine_profile: str | None = None
 
 
+class FallbackSpec(_Conf):
+    """One fallback target: another model (``model``), a pool (``pool``), or both."""
+
+    model: str | None = None
+    pool: str | None = None
+
+
 class ModelSettings(_Conf):
     #: SGLang-native base URLs (strings or tables with url/pool/machine_profile).
     engines: list[str | EngineSpec] = field(default_factory=list)
+    #: Tried in order before the first byte when this model cannot serve a request (see
+    #: docs/CONFIGURATION.md "Fallbacks"): a model name, or a table with ``model``/``pool``.
+    fallbacks: list[str | FallbackSpec] = field(default_factory=list)
     #: Chat template source: a local tokenizer directory, or an inline Jinja template.
     tokenizer: str | None = None
     chat_template: str | None = None
@@ -160,6 +171,24 @@ class Settings(_Conf):
             for e in self.models[model].engines
         ]
 
+    def fallback_chain(self, model: str) -> list[tuple[str, str | None]]:
+        """The ``(model, pool)`` targets tried after ``model``, in order: its own fallbacks,
+        each model entry followed by that model's own chain (depth first), without repeats
+        and without ``(model, None)`` itself. Call only on checked settings (no cycle)."""
+        out: list[tuple[str, str | None]] = []
+
+        def walk(name: str) -> None:
+            m = self.models.get(name)
+            for entry in m.fallbacks if m is not None else ():
+                target = _fallback_target(name, entry)
+                if target != (model, None) and target not in out:
+                    out.append(target)
+                if target[0] != name:
+                    walk(target[0])
+
+        walk(model)
+        return out
+
     def auth_tokens(self) -> list[bytes]:
         """All configured bearer tokens, as bytes (inline, file, environment)."""
         toks = list(self.gateway.tokens)
@@ -172,6 +201,12 @@ class Settings(_Conf):
         env = os.environ.get("SIEPROXY_AUTH_TOKENS", "")
         toks += [t.strip() for t in env.split(",") if t.strip()]
         return [t.encode("utf-8") for t in toks]
+
+
+def _fallback_target(owner: str, entry: str | FallbackSpec) -> tuple[str, str | None]:
+    if isinstance(entry, str):
+        return entry, None
+    return entry.model or owner, entry.pool
 
 
 _PATH_RE = re.compile(r" - at `\$\.?(.*)`$")
@@ -302,6 +337,50 @@ def _check(s: Settings, where: str) -> None:
             "embedded_engine.served_name",
             f"model {s.embedded_engine.served_name!r} is also configured under [models]",
         )
+    _check_fallbacks(s, bad)
+
+
+def _check_fallbacks(s: Settings, bad: Callable[[str, str], ConfigError]) -> None:
+    """Every fallback names a served model or a pool, and no model falls back to itself
+    through a chain of model fallbacks (the chain is followed, ``Settings.fallback_chain``)."""
+    served = set(s.models)
+    if s.embedded_engine.enabled:
+        served.add(s.embedded_engine.served_name)
+    edges: dict[str, list[str]] = {}
+    for name, m in s.models.items():
+        for i, entry in enumerate(m.fallbacks):
+            key = f"models.{name}.fallbacks[{i}]"
+            if isinstance(entry, FallbackSpec) and entry.model is None and entry.pool is None:
+                raise bad(key, "name a `model`, a `pool`, or both")
+            target, pool = _fallback_target(name, entry)
+            if target not in served:
+                raise bad(key, f"unknown model {target!r}: not served by this gateway")
+            if target == name and pool is None:
+                raise bad(key, f"model {name!r} falls back to itself; name a `pool` or remove it")
+            if target != name:
+                edges.setdefault(name, []).append(target)
+
+    def cycle(start: str) -> list[str] | None:
+        path, todo = [start], [iter(edges.get(start, ()))]
+        while todo:
+            nxt = next(todo[-1], None)
+            if nxt is None:
+                path.pop()
+                todo.pop()
+            elif nxt == start:
+                return [*path, nxt]
+            elif nxt not in path:
+                path.append(nxt)
+                todo.append(iter(edges.get(nxt, ())))
+        return None
+
+    for name in s.models:
+        found = cycle(name)
+        if found is not None:
+            raise bad(
+                f"models.{name}.fallbacks",
+                f"fallbacks form a cycle ({' -> '.join(found)}); remove one of its entries",
+            )
 
 
 def _check_parsers_and_template(

@@ -77,6 +77,18 @@ REFUSED_AT_LOAD = [
     ("[gateway]\nmax_sse_line_bytes = -5\n", "gateway.max_sse_line_bytes", ">= 1"),
     ("[gateway]\nmax_keepalive_connections = -1\n", "gateway.max_keepalive_connections", ">= 0"),
     ("[gateway]\ntokens_file = '/nonexistent/tokens'\n", "gateway.tokens_file", "cannot read"),
+    ("[models.m]\nengines = ['http://x']\nfallbacks = ['nope']\n",
+     "models.m.fallbacks[0]", "unknown model 'nope'"),
+    ("[models.m]\nengines = ['http://x']\nfallbacks = [{ pool = 'b' }, { model = 'nope' }]\n",
+     "models.m.fallbacks[1]", "unknown model 'nope'"),
+    ("[models.m]\nengines = ['http://x']\nfallbacks = ['m']\n",
+     "models.m.fallbacks[0]", "falls back to itself"),
+    ("[models.m]\nengines = ['http://x']\nfallbacks = [{}]\n",
+     "models.m.fallbacks[0]", "name a `model`, a `pool`"),
+    ("[models.a]\nengines = ['http://x']\nfallbacks = ['b']\n"
+     "[models.b]\nengines = ['http://y']\nfallbacks = ['c']\n"
+     "[models.c]\nengines = ['http://z']\nfallbacks = [{ model = 'a', pool = 'p' }]\n",
+     "models.a.fallbacks", "cycle (a -> b -> c -> a)"),
 ]  # fmt: skip
 
 #: Files the types or the basic checks refuse.
@@ -187,3 +199,18 @@ def test_invalid_toml(tmp_path: Path) -> None:
 def test_unreadable_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_settings(tmp_path / "missing.toml")
+
+
+def test_fallback_chain_is_followed_depth_first_without_repeats(tmp_path: Path) -> None:
+    text = (
+        "[models.a]\nengines = ['http://x']\n"
+        "fallbacks = ['b', { pool = 'batch' }, 'c']\n"
+        "[models.b]\nengines = ['http://y']\nfallbacks = ['c', { pool = 'spare' }]\n"
+        "[models.c]\nengines = ['http://z']\nfallbacks = [{ pool = 'p' }]\n"
+    )
+    s = load_settings(_write(tmp_path, text))
+    assert s.fallback_chain("a") == [
+        ("b", None), ("c", None), ("c", "p"), ("b", "spare"), ("a", "batch")
+    ]
+    assert s.fallback_chain("c") == [("c", "p")]
+

@@ -53,6 +53,7 @@ from .core.errors import (
 )
 from .core.pipeline import build_chat, build_completion, build_responses
 from .core.profile import ModelProfile
+from .discovery import EngineSources
 from .engine_client import EngineClient
 from .fallback import Fallbacks, cause_of
 from .hypercorn_io import body_writer, prepare_head, refusal, send_together, watch_disconnect
@@ -87,6 +88,8 @@ class GatewayState:
     active: set[GenerationBody] = field(default_factory=set)
     timer: WaitTimer = field(default_factory=WaitTimer)
     pump: Pump = field(default_factory=Pump)
+    #: Where each model's replicas come from (static entries, DNS names, an engines file).
+    sources: dict[str, EngineSources] = field(default_factory=dict)
     created: Callable[[], int] = lambda: int(time.time())
 
 

@@ -263,6 +263,8 @@ class ModelPool:
             self._watch_with = (nursery, client)
             for r in self.replicas:
                 nursery.start_soon(self._watch, r, client)
+            # Open for replicas that join later (set_engines), even when none is left now.
+            await trio.sleep_forever()
 
     async def _watch(self, r: Replica, client: EngineClient) -> None:
         g = self._g

@@ -41,6 +41,7 @@ __all__ = [
     "ModelSettings",
     "Settings",
     "load_settings",
+    "parse_engines_file",
 ]
 
 KiB = 1024
@@ -118,6 +119,10 @@ class EngineSpec(_Conf):
     url: str
     pool: str | None = None
     machine_profile: str | None = None
+    #: ``"dns"``: the URL's host is a name resolved every ``interval`` seconds, one replica per
+    #: address it resolves to (sieproxy/discovery.py).
+    discover: str | None = None
+    interval: float = 10.0
 
 
 class FallbackSpec(_Conf):
@@ -130,6 +135,9 @@ class FallbackSpec(_Conf):
 class ModelSettings(_Conf):
     #: SGLang-native base URLs (strings or tables with url/pool/machine_profile).
     engines: list[str | EngineSpec] = field(default_factory=list)
+    #: A file of more engines, one URL per line (``URL [pool=P] [machine_profile=M]``),
+    #: re-read when it changes (sieproxy/discovery.py).
+    engines_file: str | None = None
     #: Tried in order before the first byte when this model cannot serve a request (see
     #: docs/CONFIGURATION.md "Fallbacks"): a model name, or a table with ``model``/``pool``.
     fallbacks: list[str | FallbackSpec] = field(default_factory=list)
@@ -201,6 +209,33 @@ class Settings(_Conf):
         env = os.environ.get("SIEPROXY_AUTH_TOKENS", "")
         toks += [t.strip() for t in env.split(",") if t.strip()]
         return [t.encode("utf-8") for t in toks]
+
+
+_URL_RE = re.compile(r"^https?://[^/\s]+(/[^\s]*)?$")
+
+
+def parse_engines_file(text: str) -> list[EngineSpec]:
+    """The engines of an ``engines_file``: one ``URL [pool=P] [machine_profile=M]`` a line;
+    blank lines and ``#`` comments are skipped. Raises ``ValueError`` naming the line."""
+    specs: list[EngineSpec] = []
+    for no, line in enumerate(text.splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        if not _URL_RE.match(words[0]):
+            raise ValueError(f"line {no}: not an http(s) base URL: {words[0]!r}")
+        labels: dict[str, str] = {}
+        for w in words[1:]:
+            k, eq, v = w.partition("=")
+            if not eq or k not in ("pool", "machine_profile") or not v:
+                raise ValueError(f"line {no}: expected pool=NAME or machine_profile=NAME: {w!r}")
+            labels[k] = v
+        specs.append(
+            EngineSpec(
+                url=words[0], pool=labels.get("pool"), machine_profile=labels.get("machine_profile")
+            )
+        )
+    return specs
 
 
 def _fallback_target(owner: str, entry: str | FallbackSpec) -> tuple[str, str | None]:
@@ -316,12 +351,26 @@ def _check(s: Settings, where: str) -> None:
         if getattr(g, key) <= 0:
             raise bad(f"gateway.{key}", "must be a positive number of seconds")
     for name, m in s.models.items():
-        if not m.engines:
-            raise bad(f"models.{name}.engines", "at least one engine URL is required")
+        if not m.engines and not m.engines_file:
+            raise bad(
+                f"models.{name}.engines", "at least one engine URL (or `engines_file`) is required"
+            )
         for i, e in enumerate(m.engines):
             url = e.url if isinstance(e, EngineSpec) else e
-            if not re.match(r"^https?://[^/\s]+(/[^\s]*)?$", url):
+            if not _URL_RE.match(url):
                 raise bad(f"models.{name}.engines[{i}]", f"not an http(s) base URL: {url!r}")
+            if isinstance(e, EngineSpec) and e.discover not in (None, "dns"):
+                raise bad(f"models.{name}.engines[{i}].discover", 'only "dns" is supported')
+            if isinstance(e, EngineSpec) and e.interval <= 0:
+                raise bad(f"models.{name}.engines[{i}].interval", "must be a positive number")
+        if m.engines_file:
+            try:
+                parse_engines_file(Path(m.engines_file).read_text("utf-8"))
+            except OSError as exc:
+                problem = f"cannot read {m.engines_file}: {exc.strerror}"
+                raise bad(f"models.{name}.engines_file", problem) from None
+            except ValueError as exc:
+                raise bad(f"models.{name}.engines_file", str(exc)) from None
         bad_inputs = set(m.inputs) - {"text", "image"}
         if bad_inputs:
             raise bad(f"models.{name}.inputs", f"unknown input kinds {sorted(bad_inputs)}")

@@ -89,6 +89,12 @@ REFUSED_AT_LOAD = [
      "[models.b]\nengines = ['http://y']\nfallbacks = ['c']\n"
      "[models.c]\nengines = ['http://z']\nfallbacks = [{ model = 'a', pool = 'p' }]\n",
      "models.a.fallbacks", "cycle (a -> b -> c -> a)"),
+    ("[models.m]\nengines = [{ url = 'http://x', discover = 'mdns' }]\n",
+     "models.m.engines[0].discover", '"dns"'),
+    ("[models.m]\nengines = [{ url = 'http://x', discover = 'dns', interval = 0 }]\n",
+     "models.m.engines[0].interval", "positive"),
+    ("[models.m]\nengines_file = '/nonexistent/engines.txt'\n",
+     "models.m.engines_file", "cannot read"),
 ]  # fmt: skip
 
 #: Files the types or the basic checks refuse.
@@ -214,3 +220,14 @@ def test_fallback_chain_is_followed_depth_first_without_repeats(tmp_path: Path) 
     ]
     assert s.fallback_chain("c") == [("c", "p")]
 
+
+def test_engines_file_lines(tmp_path: Path) -> None:
+    f = tmp_path / "engines.txt"
+    f.write_text("# fleet\nhttp://10.0.0.1:30000 pool=batch\n\nhttp://10.0.0.2:30000  # new\n")
+    text = f"[models.m]\nengines_file = '{f}'\n"
+    s = load_settings(_write(tmp_path, text))
+    assert s.models["m"].engines == []
+    f.write_text("http://10.0.0.1:30000 colour=red\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(_write(tmp_path, text))
+    assert "models.m.engines_file" in str(info.value) and "line 1" in str(info.value)

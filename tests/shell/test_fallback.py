@@ -161,6 +161,19 @@ async def test_engine_failing_after_the_first_byte_is_an_sse_error_not_a_fallbac
             assert fallbacks(metrics, "failed") is None
 
 
+async def test_a_non_streaming_answer_failing_midway_is_an_error_not_a_fallback() -> None:
+    """Not streamed, nothing reached the client yet, but the engine's output reached the
+    response: the failure is the answer's status, not a move to the fallback."""
+    script = SequenceScript([Plan(tokens=[" a", " b", " c", " d"], fault=Fault.reset(at=2))])
+    engines = [FakeEngine(script), FakeEngine()]
+    with trio.fail_after(30):
+        async with running_gateway(engines, settings_hook=two_models) as gw:
+            r = await chat(gw, max_tokens=4, request_id="mid")
+            assert r.status_code == 502, r.text
+            assert gen_rids(engines[1]) == []
+            assert fallbacks(await scrape(gw), "failed") is None
+
+
 async def test_a_client_error_is_not_a_fallback() -> None:
     failing = Switch()
     failing.fault = Fault.http_error(400, "bad request")

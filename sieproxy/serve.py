@@ -122,7 +122,12 @@ def build_state(settings: Settings) -> GatewayState:
         pools=pools,
         client=EngineClient(g),
         auth=Authenticator(g.auth, settings.auth_tokens()),
-        observer=Observer(pools, access_log_enabled=g.access_log, inflight=inflight),
+        observer=Observer(
+            pools,
+            access_log_enabled=g.access_log,
+            inflight=inflight,
+            with_fallbacks=[name for name, m in models.items() if m.fallbacks],
+        ),
         active=active,
         sources=sources,
     )

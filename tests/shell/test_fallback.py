@@ -70,7 +70,8 @@ async def test_no_ready_replica_falls_back_to_the_other_model_on_every_surface()
             assert gen_rids(engines[0]) == []
             metrics = await scrape(gw)
             assert fallbacks(metrics, "no_replica") == 4
-            assert fallbacks(metrics, "full") is None
+            assert fallbacks(metrics, "full") == 0  # exported from the start
+            assert sample(metrics, "sieproxy_fallbacks_total", model=OTHER, cause="full") is None
             # The request counts under the model that served it.
             assert (
                 sample(
@@ -158,7 +159,7 @@ async def test_engine_failing_after_the_first_byte_is_an_sse_error_not_a_fallbac
             assert text == " a b"
             assert gen_rids(engines[1]) == []
             metrics = await scrape(gw)
-            assert fallbacks(metrics, "failed") is None
+            assert fallbacks(metrics, "failed") == 0
 
 
 async def test_a_non_streaming_answer_failing_midway_is_an_error_not_a_fallback() -> None:
@@ -171,7 +172,7 @@ async def test_a_non_streaming_answer_failing_midway_is_an_error_not_a_fallback(
             r = await chat(gw, max_tokens=4, request_id="mid")
             assert r.status_code == 502, r.text
             assert gen_rids(engines[1]) == []
-            assert fallbacks(await scrape(gw), "failed") is None
+            assert fallbacks(await scrape(gw), "failed") == 0
 
 
 async def test_a_client_error_is_not_a_fallback() -> None:

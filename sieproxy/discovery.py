@@ -155,7 +155,7 @@ class EngineSources:
             )
             return False
         addresses = sorted(addresses)
-        if self._resolved.get(entry.url) == addresses:
+        if self._resolved.get(entry.url) == addresses or entry.url not in self._due:
             return False
         self._resolved[entry.url] = addresses
         return True
@@ -169,7 +169,8 @@ class EngineSources:
             for entry in self._entries:
                 if entry.dns and self._due.get(entry.url, 0.0) <= now:
                     changed |= await self._resolve(entry)
-                    self._due[entry.url] = trio.current_time() + self._interval[entry.url]
+                    if entry.url in self._due:  # (a reload during the await may drop it)
+                        self._due[entry.url] = trio.current_time() + self._interval[entry.url]
             if self._file is not None:
                 changed |= self._read_file()
             if changed:

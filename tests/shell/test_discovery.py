@@ -215,3 +215,36 @@ async def test_reload_keeps_resolved_addresses(
             dns.answers[NAME] = HOSTS[:1]
             reload_settings(gw.state, str(conf))
             await wait_until(lambda: urls(gw) == [f"http://127.0.0.1:{port}"])
+
+
+async def test_a_reload_during_a_resolution_drops_the_entry_cleanly(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    dns = Dns()
+    dns.answers[NAME] = HOSTS[:2]
+    release = trio.Event()
+    blocked = trio.Event()
+
+    async def slow(host: str, port: int | None) -> list[str]:
+        if dns.calls:  # the second resolution waits until the test releases it
+            blocked.set()
+            await release.wait()
+        return await dns(host, port)
+
+    monkeypatch.setattr(sieproxy.discovery, "resolve", slow)
+    with trio.fail_after(30):
+        async with fleet([FakeEngine(), FakeEngine()], dns_entry()) as gw:
+            port = gw.engines[0].port
+            await wait_until(lambda: len(urls(gw)) == 2)
+            await blocked.wait()
+            conf = tmp_path / "g.toml"
+            conf.write_text(
+                f'[models.{MODEL}]\nengines = ["http://127.0.0.1:{port}"]\n'
+                f"chat_template = {json.dumps(TEMPLATE)}\n"
+            )
+            reload_settings(gw.state, str(conf))  # the DNS entry is gone mid-resolution
+            assert urls(gw) == [f"http://127.0.0.1:{port}"]
+            release.set()
+            await trio.sleep(0.2)
+            assert urls(gw) == [f"http://127.0.0.1:{port}"]
+            assert (await chat(gw)).status_code == 200

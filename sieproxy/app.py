@@ -11,7 +11,8 @@ as usual.
 
 Every status decision for a generation request happens before its status line is sent: auth
 (401), draining (503), body size (413) and type (400), decoding and validation (400), the model
-(404), routing headers (400) and readiness/admission (503); then the response body is entered
+(404), routing headers (400) and readiness/admission (503, unless a fallback of the model
+takes the request: sieproxy/fallback.py); then the response body is entered
 and *primed* (first upstream event, or the whole answer when not streaming) before
 ``http.response.start`` is sent, so an engine that fails before producing anything still yields
 a proper status (503 + Retry-After, 500 "malformed", ...), never a 200 with an error. An error
@@ -52,7 +53,9 @@ from .core.errors import (
 )
 from .core.pipeline import build_chat, build_completion, build_responses
 from .core.profile import ModelProfile
+from .discovery import EngineSources
 from .engine_client import EngineClient
+from .fallback import Fallbacks, cause_of
 from .hypercorn_io import body_writer, prepare_head, refusal, send_together, watch_disconnect
 from .observe import Observer
 from .pool import ModelPool, RouteHints
@@ -85,6 +88,8 @@ class GatewayState:
     active: set[GenerationBody] = field(default_factory=set)
     timer: WaitTimer = field(default_factory=WaitTimer)
     pump: Pump = field(default_factory=Pump)
+    #: Where each model's replicas come from (static entries, DNS names, an engines file).
+    sources: dict[str, EngineSources] = field(default_factory=dict)
     created: Callable[[], int] = lambda: int(time.time())
 
 
@@ -314,7 +319,8 @@ async def _start(
         builder = build_chat
     else:
         builder = build_completion if endpoint == "completions" else build_responses
-    plan = builder(raw, state.profiles, request_id=rid, created=state.created())
+    created = state.created()
+    plan = builder(raw, state.profiles, request_id=rid, created=created)
     pool = state.pools[plan.model]
     hints = RouteHints(
         pool=headers.get(b"x-sie-pool") or None,
@@ -326,12 +332,39 @@ async def _start(
         request_id=rid, model=plan.model, endpoint=endpoint, n=plan.n, stream=plan.stream
     )
     stats.sdk_version = headers.get(b"x-sie-sdk-version")
-    replica = await pool.acquire(hints, len(plan.bodies))
+    fb: Fallbacks | None = None  # made when first needed (sieproxy/fallback.py)
+
+    def fallbacks() -> Fallbacks:
+        nonlocal fb
+        if fb is None:
+            fb = Fallbacks(
+                plan=plan,
+                hints=hints,
+                targets=state.settings.fallback_chain(plan.model),
+                planner=lambda m: builder(
+                    raw, state.profiles, request_id=rid, created=created, model=m
+                ),
+                pools=state.pools,
+                profiles=state.profiles,
+                observer=state.observer,
+            )
+        return fb
+
+    conf = state.settings.models.get(plan.model)
+    has_fallbacks = conf is not None and bool(conf.fallbacks)
+    try:
+        replica = await pool.acquire(hints, len(plan.bodies))
+    except ServiceUnavailable as exc:
+        route = await fallbacks().next(cause_of(exc)) if has_fallbacks else None
+        if route is None:
+            raise
+        pool, hints, replica, stats.model = route.pool, route.hints, route.replica, route.model
+        plan = fallbacks().current
     stats.replica = replica.url
-    usage = plan.usage
 
     def finish(b: GenerationBody) -> None:
-        b.stats.prompt_tokens, b.stats.completion_tokens = usage()
+        served = fb.current if fb is not None else plan
+        b.stats.prompt_tokens, b.stats.completion_tokens = served.usage()
         b.stats.outcome = client.outcome()
         state.observer.request_done(b.stats)
 
@@ -349,6 +382,7 @@ async def _start(
         on_done=finish,
         timer=state.timer,
         pump=state.pump,
+        fallback=(lambda cause, failed: fallbacks().next(cause, failed)) if has_fallbacks else None,
     )
     state.active.add(body)
     return body

@@ -29,7 +29,7 @@ from .core.errors import GatewayError
 from .pool import ModelPool
 from .relay import RequestStats
 
-__all__ = ["Observer"]
+__all__ = ["FALLBACK_CAUSES", "Observer"]
 
 access_log = logging.getLogger("sieproxy.access")
 _enc = msgspec.json.Encoder()
@@ -39,6 +39,9 @@ _enc = msgspec.json.Encoder()
 #: closed the connection first (a shutdown's grace ran out: "no response").
 CLIENT_CLOSED = 499
 NO_RESPONSE = 444
+
+#: Why a request moved to a fallback (sieproxy/fallback.py).
+FALLBACK_CAUSES = ("no_replica", "full", "failed")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -87,6 +90,7 @@ class Observer:
         *,
         access_log_enabled: bool = True,
         inflight: Callable[[], dict[str, int]] = dict,
+        with_fallbacks: Iterable[str] = (),
     ) -> None:
         self.registry = CollectorRegistry()
         self._access = access_log_enabled
@@ -136,10 +140,25 @@ class Observer:
             ["model"],
             registry=r,
         )
+        self.fallbacks = Counter(
+            "sieproxy_fallbacks",
+            "Requests moved before any byte to a fallback of the model they named, by cause "
+            "(no_replica: none ready; full: no room past admission_wait; failed: the engine "
+            "failed in a way the retry rules allow).",
+            ["model", "cause"],
+            registry=r,
+        )
+        for model in with_fallbacks:  # exported at 0 from the start (rates need a series)
+            for cause in FALLBACK_CAUSES:
+                self.fallbacks.labels(model, cause)
         r.register(_PoolCollector(pools, inflight))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def fallback(self, model: str, cause: str) -> None:
+        """A request for ``model`` moved to one of its fallbacks (before any byte)."""
+        self.fallbacks.labels(model, cause).inc()
 
     def refusal(
         self,

@@ -229,10 +229,13 @@ class ModelPool:
                     return r, True
         return min(roomy, key=lambda r: (r.inflight, r.total)), True
 
-    async def acquire(self, h: RouteHints, k: int, *, exclude: Replica | None = None) -> Replica:
-        """Reserve ``k`` candidate slots on one replica (bounded wait), or raise 503."""
+    async def acquire(
+        self, h: RouteHints, k: int, *, exclude: Replica | None = None, wait: bool = True
+    ) -> Replica:
+        """Reserve ``k`` candidate slots on one replica (bounded wait, none without ``wait``),
+        or raise 503."""
         r, any_live = self._choose(h, k, exclude)
-        if r is None and any_live:  # every matching replica is full: wait for a slot
+        if r is None and any_live and wait:  # every matching replica is full: wait for a slot
             with trio.move_on_after(self._g.admission_wait):  # (no timer when there is room)
                 while r is None and any_live:
                     await self._room.wait()
@@ -265,6 +268,8 @@ class ModelPool:
             self._watch_with = (nursery, client)
             for r in self.replicas:
                 nursery.start_soon(self._watch, r, client)
+            # Open for replicas that join later (set_engines), even when none is left now.
+            await trio.sleep_forever()
 
     async def _watch(self, r: Replica, client: EngineClient) -> None:
         g = self._g

@@ -13,7 +13,8 @@ first upstream event:
   the failure is a server-side one that came without waiting (an engine that could not be
   reached, an error status, a broken connection); never after a timeout (504): an engine that
   took the request and then stayed silent for the token gap has reached a model, and a retry
-  would make the client wait for the gap a second time;
+  would make the client wait for the gap a second time; then on the model's fallbacks, each
+  once (another model or pool: ``sieproxy.fallback``, whose plan replaces the body's);
 * otherwise the status is 200 and the body streams (or, for non-streaming requests, ``prime``
   collects the whole answer first and the body is one JSON document).
 
@@ -77,7 +78,7 @@ from .pool import ModelPool, Replica, RouteHints
 from .pump import Outlet, Pump
 from .settings import GatewaySettings
 
-__all__ = ["GenerationBody", "RequestStats", "Shaper", "WaitTimer", "sweep_stalls"]
+__all__ = ["GenerationBody", "RequestStats", "Route", "Shaper", "WaitTimer", "sweep_stalls"]
 
 log = logging.getLogger("sieproxy.relay")
 
@@ -101,6 +102,25 @@ class Shaper(Protocol):
     def end(self) -> bytes: ...
 
     def stopped(self, index: int) -> bool: ...
+
+
+@dataclass(slots=True)
+class Route:
+    """Where a request runs after a fallback (``sieproxy.fallback``): the model and its pool,
+    the replica holding the request's slots, the routing hints, and the engine bodies and
+    response shaper planned for that model."""
+
+    model: str
+    pool: ModelPool
+    replica: Replica
+    hints: RouteHints
+    bodies: list[dict[str, Any]]
+    shaper: Shaper
+    losers: Callable[[], list[int]] | None
+
+
+#: The next fallback of a request that failed (cause, the failed replica), or None.
+FallBack = Callable[[str, Replica], Awaitable[Route | None]]
 
 
 @dataclass(slots=True)
@@ -257,6 +277,7 @@ class GenerationBody:
         "_deadline",
         "_deferred",
         "_done",
+        "_fallback",
         "_g",
         "_handled_any",
         "_held",
@@ -299,8 +320,10 @@ class GenerationBody:
         on_done: Callable[[GenerationBody], None] | None = None,
         timer: WaitTimer | None = None,
         pump: Pump | None = None,
+        fallback: FallBack | None = None,
     ) -> None:
         self._g = g
+        self._fallback = fallback
         self._client = client
         self._pool = pool
         self.replica = replica
@@ -1029,22 +1052,29 @@ class GenerationBody:
                 return out + self._shaper.end()
             except UpstreamError as exc:
                 # Nothing reached the client yet: a server-side failure is retried once on
-                # another ready replica; a refusal of the request itself (4xx) is not, nor a
-                # timeout: the engine took the request (a model may be working on it) and the
-                # client already waited the whole gap or its deadline for it.
+                # another ready replica, then on the model's fallbacks in order (each once); a
+                # refusal of the request itself (4xx) is not, nor a timeout: the engine took
+                # the request (a model may be working on it) and the client already waited the
+                # whole gap or its deadline for it.
                 if (
-                    retried
-                    or self._handled_any
+                    self._handled_any
                     or isinstance(exc, EngineTimeout)
                     or not (exc.retryable or exc.status >= 500)
                 ):
                     raise
-                other = await self._other_replica()
-                if other is None:
+                other = None if retried else await self._other_replica()
+                if other is not None:
+                    retried = True
+                    self.stats.retried = True
+                    await self._restart_on(other)
+                    continue
+                route = None
+                if self._fallback is not None:
+                    route = await self._fallback("failed", self.replica)
+                if route is None:
                     raise
-                retried = True
-                self.stats.retried = True
-                await self._restart_on(other)
+                await self._restart_on(route.replica, route)
+                head = self._shaper.start()
 
     async def _other_replica(self) -> Replica | None:
         try:
@@ -1052,23 +1082,28 @@ class GenerationBody:
         except GatewayError:
             return None
 
-    async def _restart_on(self, other: Replica) -> None:
+    async def _restart_on(self, other: Replica, route: Route | None = None) -> None:
         self._cancel_all("retry")
         self._deferred = None
         if self._il is not None:
             await self._inline_close()
-            self._switch_to(other)
+            self._switch_to(other, route)
             self._reset_candidates()
             return
         assert self._recv is not None
         with self._recv:
             async for _ in self._recv:  # wait for the old candidates to finish their cleanup
                 pass
-        self._switch_to(other)
+        self._switch_to(other, route)
         self._launch()
 
-    def _switch_to(self, other: Replica) -> None:
+    def _switch_to(self, other: Replica, route: Route | None = None) -> None:
         self._release()
+        if route is not None:  # a fallback: its model's pool, bodies and shaper from now on
+            assert len(route.bodies) == self._k
+            self._pool, self._hints = route.pool, route.hints
+            self._bodies, self._shaper, self._losers = route.bodies, route.shaper, route.losers
+            self.stats.model = route.model
         self.replica = other
         self._held = self._k
         self.stats.replica = other.url

@@ -39,6 +39,7 @@ from .child import LAUNCH_TOKEN_ENV, PortInUse, claim_port, engine_argv, supervi
 from .core.errors import GatewayError
 from .core.profile import ModelProfile
 from .core.template import check_template
+from .discovery import EngineSources
 from .engine_client import EngineClient
 from .hypercorn_io import install as install_hypercorn_io
 from .observe import Observer
@@ -106,7 +107,11 @@ def build_state(settings: Settings) -> GatewayState:
         profiles = {name: _profile(name, m, settings) for name, m in models.items()}
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    pools = {name: ModelPool(name, _specs(m), g) for name, m in models.items()}
+    sources = {
+        name: EngineSources(name, _specs(m), m.engines_file, g.health_timeout)
+        for name, m in models.items()
+    }
+    pools = {name: ModelPool(name, sources[name].specs(), g) for name in models}
     if settings.embedded_engine.enabled:
         pools[settings.embedded_engine.served_name].launch_token = secrets.token_urlsafe(16)
     for name, m in models.items():
@@ -126,8 +131,14 @@ def build_state(settings: Settings) -> GatewayState:
         pools=pools,
         client=EngineClient(g),
         auth=Authenticator(g.auth, settings.auth_tokens()),
-        observer=Observer(pools, access_log_enabled=g.access_log, inflight=inflight),
+        observer=Observer(
+            pools,
+            access_log_enabled=g.access_log,
+            inflight=inflight,
+            with_fallbacks=[name for name, m in models.items() if m.fallbacks],
+        ),
         active=active,
+        sources=sources,
     )
 
 
@@ -181,6 +192,7 @@ def build_app(settings: Settings) -> Quart:
         nursery.start_soon(state.pump.run)
         for name, pool in state.pools.items():
             nursery.start_soon(pool.run_health_checks, state.client)
+            nursery.start_soon(state.sources[name].run, pool)  # DNS names, engines file
             if not pool.gate_open:
                 nursery.start_soon(_discover_template, state, name)
 
@@ -375,8 +387,9 @@ async def _announce_ready(state: GatewayState, binds: list[str]) -> None:
 def reload_settings(state: GatewayState, path: str | None) -> list[str]:
     """Re-read the configuration and apply what can change while serving (SIGHUP).
 
-    Applied: bearer tokens and the auth switch; each served model's engine list (replicas
-    added, relabelled or removed; see ``ModelPool.set_engines``). Everything else (models added
+    Applied: bearer tokens and the auth switch; each served model's engine list, its DNS
+    entries and ``engines_file`` included (replicas added, relabelled or removed; see
+    ``ModelPool.set_engines`` and ``sieproxy.discovery``). Everything else (models added
     or removed, templates, other ``[gateway]`` keys) needs a restart and is reported, not
     applied. Raises ``ConfigError`` for an invalid file, leaving the running configuration as
     it was. Returns one line per thing applied or ignored, for the log.
@@ -397,10 +410,14 @@ def reload_settings(state: GatewayState, path: str | None) -> list[str]:
         if pool is None:
             done.append(f"model {name!r} is new: not served until a restart")
             continue
-        added, removed = pool.set_engines(_specs(m))
+        sources = state.sources[name]
+        sources.configure(_specs(m), m.engines_file)  # DNS names resolve again at once
+        added, removed = sources.apply(pool)
         if added or removed:
             done.append(f"model {name!r}: engines added {added or '[]'}, removed {removed or '[]'}")
-        if struct_replace(m, engines=[]) != struct_replace(old_models[name], engines=[]):
+        if struct_replace(m, engines=[], engines_file=None) != struct_replace(
+            old_models[name], engines=[], engines_file=None
+        ):
             done.append(f"model {name!r}: settings other than engines need a restart")
     for name in old_models.keys() - new_models.keys():
         done.append(f"model {name!r} is gone from the file: still served until a restart")

@@ -36,10 +36,12 @@ __all__ = [
     "ConfigError",
     "EmbeddedEngine",
     "EngineSpec",
+    "FallbackSpec",
     "GatewaySettings",
     "ModelSettings",
     "Settings",
     "load_settings",
+    "parse_engines_file",
 ]
 
 KiB = 1024
@@ -117,11 +119,28 @@ class EngineSpec(_Conf):
     url: str
     pool: str | None = None
     machine_profile: str | None = None
+    #: ``"dns"``: the URL's host is a name resolved every ``interval`` seconds, one replica per
+    #: address it resolves to (sieproxy/discovery.py).
+    discover: str | None = None
+    interval: float = 10.0
+
+
+class FallbackSpec(_Conf):
+    """One fallback target: another model (``model``), a pool (``pool``), or both."""
+
+    model: str | None = None
+    pool: str | None = None
 
 
 class ModelSettings(_Conf):
     #: SGLang-native base URLs (strings or tables with url/pool/machine_profile).
     engines: list[str | EngineSpec] = field(default_factory=list)
+    #: A file of more engines, one URL per line (``URL [pool=P] [machine_profile=M]``),
+    #: re-read when it changes (sieproxy/discovery.py).
+    engines_file: str | None = None
+    #: Tried in order before the first byte when this model cannot serve a request (see
+    #: docs/CONFIGURATION.md "Fallbacks"): a model name, or a table with ``model``/``pool``.
+    fallbacks: list[str | FallbackSpec] = field(default_factory=list)
     #: Chat template source: a local tokenizer directory, or an inline Jinja template.
     tokenizer: str | None = None
     chat_template: str | None = None
@@ -172,6 +191,24 @@ class Settings(_Conf):
             for e in self.models[model].engines
         ]
 
+    def fallback_chain(self, model: str) -> list[tuple[str, str | None]]:
+        """The ``(model, pool)`` targets tried after ``model``, in order: its own fallbacks,
+        each model entry followed by that model's own chain (depth first), without repeats
+        and without ``(model, None)`` itself. Call only on checked settings (no cycle)."""
+        out: list[tuple[str, str | None]] = []
+
+        def walk(name: str) -> None:
+            m = self.models.get(name)
+            for entry in m.fallbacks if m is not None else ():
+                target = _fallback_target(name, entry)
+                if target != (model, None) and target not in out:
+                    out.append(target)
+                if target[0] != name:
+                    walk(target[0])
+
+        walk(model)
+        return out
+
     def auth_tokens(self) -> list[bytes]:
         """All configured bearer tokens, as bytes (inline, file, environment)."""
         toks = list(self.gateway.tokens)
@@ -184,6 +221,39 @@ class Settings(_Conf):
         env = os.environ.get("SIEPROXY_AUTH_TOKENS", "")
         toks += [t.strip() for t in env.split(",") if t.strip()]
         return [t.encode("utf-8") for t in toks]
+
+
+_URL_RE = re.compile(r"^https?://[^/\s]+(/[^\s]*)?$")
+
+
+def parse_engines_file(text: str) -> list[EngineSpec]:
+    """The engines of an ``engines_file``: one ``URL [pool=P] [machine_profile=M]`` a line;
+    blank lines and ``#`` comments are skipped. Raises ``ValueError`` naming the line."""
+    specs: list[EngineSpec] = []
+    for no, line in enumerate(text.splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        if not _URL_RE.match(words[0]):
+            raise ValueError(f"line {no}: not an http(s) base URL: {words[0]!r}")
+        labels: dict[str, str] = {}
+        for w in words[1:]:
+            k, eq, v = w.partition("=")
+            if not eq or k not in ("pool", "machine_profile") or not v:
+                raise ValueError(f"line {no}: expected pool=NAME or machine_profile=NAME: {w!r}")
+            labels[k] = v
+        specs.append(
+            EngineSpec(
+                url=words[0], pool=labels.get("pool"), machine_profile=labels.get("machine_profile")
+            )
+        )
+    return specs
+
+
+def _fallback_target(owner: str, entry: str | FallbackSpec) -> tuple[str, str | None]:
+    if isinstance(entry, str):
+        return entry, None
+    return entry.model or owner, entry.pool
 
 
 _PATH_RE = re.compile(r" - at `\$\.?(.*)`$")
@@ -293,12 +363,26 @@ def _check(s: Settings, where: str) -> None:
         if getattr(g, key) <= 0:
             raise bad(f"gateway.{key}", "must be a positive number of seconds")
     for name, m in s.models.items():
-        if not m.engines:
-            raise bad(f"models.{name}.engines", "at least one engine URL is required")
+        if not m.engines and not m.engines_file:
+            raise bad(
+                f"models.{name}.engines", "at least one engine URL (or `engines_file`) is required"
+            )
         for i, e in enumerate(m.engines):
             url = e.url if isinstance(e, EngineSpec) else e
-            if not re.match(r"^https?://[^/\s]+(/[^\s]*)?$", url):
+            if not _URL_RE.match(url):
                 raise bad(f"models.{name}.engines[{i}]", f"not an http(s) base URL: {url!r}")
+            if isinstance(e, EngineSpec) and e.discover not in (None, "dns"):
+                raise bad(f"models.{name}.engines[{i}].discover", 'only "dns" is supported')
+            if isinstance(e, EngineSpec) and e.interval <= 0:
+                raise bad(f"models.{name}.engines[{i}].interval", "must be a positive number")
+        if m.engines_file:
+            try:
+                parse_engines_file(Path(m.engines_file).read_text("utf-8"))
+            except OSError as exc:
+                problem = f"cannot read {m.engines_file}: {exc.strerror}"
+                raise bad(f"models.{name}.engines_file", problem) from None
+            except ValueError as exc:
+                raise bad(f"models.{name}.engines_file", str(exc)) from None
         bad_inputs = set(m.inputs) - {"text", "image"}
         if bad_inputs:
             raise bad(f"models.{name}.inputs", f"unknown input kinds {sorted(bad_inputs)}")
@@ -323,6 +407,50 @@ def _check(s: Settings, where: str) -> None:
             "embedded_engine.served_name",
             f"model {s.embedded_engine.served_name!r} is also configured under [models]",
         )
+    _check_fallbacks(s, bad)
+
+
+def _check_fallbacks(s: Settings, bad: Callable[[str, str], ConfigError]) -> None:
+    """Every fallback names a served model or a pool, and no model falls back to itself
+    through a chain of model fallbacks (the chain is followed, ``Settings.fallback_chain``)."""
+    served = set(s.models)
+    if s.embedded_engine.enabled:
+        served.add(s.embedded_engine.served_name)
+    edges: dict[str, list[str]] = {}
+    for name, m in s.models.items():
+        for i, entry in enumerate(m.fallbacks):
+            key = f"models.{name}.fallbacks[{i}]"
+            if isinstance(entry, FallbackSpec) and entry.model is None and entry.pool is None:
+                raise bad(key, "name a `model`, a `pool`, or both")
+            target, pool = _fallback_target(name, entry)
+            if target not in served:
+                raise bad(key, f"unknown model {target!r}: not served by this gateway")
+            if target == name and pool is None:
+                raise bad(key, f"model {name!r} falls back to itself; name a `pool` or remove it")
+            if target != name:
+                edges.setdefault(name, []).append(target)
+
+    def cycle(start: str) -> list[str] | None:
+        path, todo = [start], [iter(edges.get(start, ()))]
+        while todo:
+            nxt = next(todo[-1], None)
+            if nxt is None:
+                path.pop()
+                todo.pop()
+            elif nxt == start:
+                return [*path, nxt]
+            elif nxt not in path:
+                path.append(nxt)
+                todo.append(iter(edges.get(nxt, ())))
+        return None
+
+    for name in s.models:
+        found = cycle(name)
+        if found is not None:
+            raise bad(
+                f"models.{name}.fallbacks",
+                f"fallbacks form a cycle ({' -> '.join(found)}); remove one of its entries",
+            )
 
 
 def _check_parsers_and_template(

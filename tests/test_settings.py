@@ -77,6 +77,24 @@ REFUSED_AT_LOAD = [
     ("[gateway]\nmax_sse_line_bytes = -5\n", "gateway.max_sse_line_bytes", ">= 1"),
     ("[gateway]\nmax_keepalive_connections = -1\n", "gateway.max_keepalive_connections", ">= 0"),
     ("[gateway]\ntokens_file = '/nonexistent/tokens'\n", "gateway.tokens_file", "cannot read"),
+    ("[models.m]\nengines = ['http://x']\nfallbacks = ['nope']\n",
+     "models.m.fallbacks[0]", "unknown model 'nope'"),
+    ("[models.m]\nengines = ['http://x']\nfallbacks = [{ pool = 'b' }, { model = 'nope' }]\n",
+     "models.m.fallbacks[1]", "unknown model 'nope'"),
+    ("[models.m]\nengines = ['http://x']\nfallbacks = ['m']\n",
+     "models.m.fallbacks[0]", "falls back to itself"),
+    ("[models.m]\nengines = ['http://x']\nfallbacks = [{}]\n",
+     "models.m.fallbacks[0]", "name a `model`, a `pool`"),
+    ("[models.a]\nengines = ['http://x']\nfallbacks = ['b']\n"
+     "[models.b]\nengines = ['http://y']\nfallbacks = ['c']\n"
+     "[models.c]\nengines = ['http://z']\nfallbacks = [{ model = 'a', pool = 'p' }]\n",
+     "models.a.fallbacks", "cycle (a -> b -> c -> a)"),
+    ("[models.m]\nengines = [{ url = 'http://x', discover = 'mdns' }]\n",
+     "models.m.engines[0].discover", '"dns"'),
+    ("[models.m]\nengines = [{ url = 'http://x', discover = 'dns', interval = 0 }]\n",
+     "models.m.engines[0].interval", "positive"),
+    ("[models.m]\nengines_file = '/nonexistent/engines.txt'\n",
+     "models.m.engines_file", "cannot read"),
 ]  # fmt: skip
 
 #: Files the types or the basic checks refuse.
@@ -205,3 +223,29 @@ def test_embedded_engine_prefix_cache_reaches_the_engine_argv(tmp_path: Path) ->
     assert argv[-4:] == ["--prefix-cache-tokens", "0", "--threads", "1"]
     default = load_settings(_write(tmp_path, "[embedded_engine]\nenabled = true\n")).embedded_engine
     assert "--prefix-cache-tokens" not in default.engine_args()
+
+
+def test_fallback_chain_is_followed_depth_first_without_repeats(tmp_path: Path) -> None:
+    text = (
+        "[models.a]\nengines = ['http://x']\n"
+        "fallbacks = ['b', { pool = 'batch' }, 'c']\n"
+        "[models.b]\nengines = ['http://y']\nfallbacks = ['c', { pool = 'spare' }]\n"
+        "[models.c]\nengines = ['http://z']\nfallbacks = [{ pool = 'p' }]\n"
+    )
+    s = load_settings(_write(tmp_path, text))
+    assert s.fallback_chain("a") == [
+        ("b", None), ("c", None), ("c", "p"), ("b", "spare"), ("a", "batch")
+    ]
+    assert s.fallback_chain("c") == [("c", "p")]
+
+
+def test_engines_file_lines(tmp_path: Path) -> None:
+    f = tmp_path / "engines.txt"
+    f.write_text("# fleet\nhttp://10.0.0.1:30000 pool=batch\n\nhttp://10.0.0.2:30000  # new\n")
+    text = f"[models.m]\nengines_file = '{f}'\n"
+    s = load_settings(_write(tmp_path, text))
+    assert s.models["m"].engines == []
+    f.write_text("http://10.0.0.1:30000 colour=red\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(_write(tmp_path, text))
+    assert "models.m.engines_file" in str(info.value) and "line 1" in str(info.value)

@@ -1,9 +1,10 @@
 """From request bytes to everything the shell needs to run a generation request.
 
-``build_chat`` / ``build_completion`` chain the sans-IO stages — decode and validate, find the
-model (404), check the model-dependent rules, plan the engine requests, and build the response
-shaper (a stream or a collector) with one fresh tool/reasoning parser per choice. The shell only
-adds I/O: routing, the engine calls, the writes.
+``build_chat`` / ``build_completion`` / ``build_responses`` chain the sans-IO stages — decode and
+validate, find the model (404), check the model-dependent rules, plan the engine requests, and
+build the response shaper (a stream or a collector) with one fresh tool/reasoning parser per
+choice. The shell only adds I/O: routing, the engine calls, the writes. ``model`` plans the same
+request for another model than the one it names (a fallback), whose name the response carries.
 """
 
 from __future__ import annotations
@@ -116,9 +117,16 @@ def _parsers(
 
 
 def build_chat(
-    raw: bytes, profiles: Mapping[str, ModelProfile], *, request_id: str, created: int
+    raw: bytes,
+    profiles: Mapping[str, ModelProfile],
+    *,
+    request_id: str,
+    created: int,
+    model: str | None = None,
 ) -> Prepared:
     req = decode_chat(raw)
+    if model is not None:  # a fallback model serves the request (the response names it)
+        req.model = model
     profile = _profile(profiles, req.model)
     valid = check_chat(req, profile)
     plan = plan_chat(valid, profile, request_id=request_id)
@@ -153,9 +161,16 @@ def build_chat(
 
 
 def build_completion(
-    raw: bytes, profiles: Mapping[str, ModelProfile], *, request_id: str, created: int
+    raw: bytes,
+    profiles: Mapping[str, ModelProfile],
+    *,
+    request_id: str,
+    created: int,
+    model: str | None = None,
 ) -> Prepared:
     req = decode_completion(raw)
+    if model is not None:
+        req.model = model
     profile = _profile(profiles, req.model)
     valid = check_completion(req, profile)
     body = plan_completion(valid, profile, request_id=request_id)
@@ -182,11 +197,18 @@ def build_completion(
 
 
 def build_responses(
-    raw: bytes, profiles: Mapping[str, ModelProfile], *, request_id: str, created: int
+    raw: bytes,
+    profiles: Mapping[str, ModelProfile],
+    *,
+    request_id: str,
+    created: int,
+    model: str | None = None,
 ) -> Prepared:
     """``POST /v1/responses``: the chat path with one candidate (``core.responses``), shaped by
     :class:`ResponsesShaper`."""
     rreq, req, paths = decode_responses(raw)
+    if model is not None:
+        req.model = model
     profile = _profile(profiles, req.model)
     try:
         valid = check_chat(req, profile)

@@ -1,0 +1,93 @@
+"""Fallbacks: where a request goes when the model it names cannot serve it, before any byte.
+
+A model's ``fallbacks`` (``[models.<name>]``, checked at load: ``Settings.fallback_chain``) are
+``(model, pool)`` targets tried in order, each at most once per request, when
+
+* the model has no ready replica for the request (cause ``no_replica``) or every matching one
+  stayed full for ``admission_wait`` (``full``): at admission, before the status line;
+* its engine failed in a way the retry rules allow (``failed``: a server-side error that came
+  without waiting, before any event) and the one retry on another replica of the same model
+  was used or had no replica to go to: from ``GenerationBody.prime``.
+
+Never after the first byte: once an event of the engine reached the response's shaper, an
+engine failure is the stream's error event. A target is taken only if it can take the request
+at once (no second admission wait): its model plans the request (a model the request does not
+fit, such as one without image input, is skipped), the request's routing headers still apply
+(``X-SIE-Pool`` is replaced by the target's ``pool`` when it names one), and one of its ready
+replicas has room. The request is then planned for the target's model, so the response's
+``model`` names the model that served it; each move counts in
+``sieproxy_fallbacks_total{model,cause}`` under the model the client asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from .core.errors import GatewayError
+from .core.pipeline import Prepared
+from .core.profile import ModelProfile
+from .observe import Observer
+from .pool import ModelPool, Replica, RouteHints
+from .relay import Route
+
+__all__ = ["Fallbacks", "cause_of"]
+
+#: Plans the request for a model: ``build_chat`` etc. with everything but ``model`` bound.
+Planner = Callable[[str], Prepared]
+
+
+def cause_of(err: GatewayError) -> str:
+    """The fallback cause of an admission refusal (a 503 from ``ModelPool.acquire``)."""
+    return "no_replica" if err.code == "model_loading" else "full"
+
+
+class Fallbacks:
+    """The fallback targets of one request, consumed in order (see the module docstring)."""
+
+    __slots__ = ("_hints", "_observer", "_planner", "_pools", "_targets", "current", "model")
+
+    def __init__(
+        self,
+        *,
+        plan: Prepared,
+        hints: RouteHints,
+        targets: list[tuple[str, str | None]],
+        planner: Planner,
+        pools: Mapping[str, ModelPool],
+        profiles: Mapping[str, ModelProfile],
+        observer: Observer,
+    ) -> None:
+        self.model = plan.model  # the model the client asked for (the counter's label)
+        #: The plan of the model serving the request now (its usage is the request's).
+        self.current = plan
+        self._hints = hints
+        self._planner = planner
+        self._pools = pools
+        self._observer = observer
+        own = (plan.model, hints.pool)
+        self._targets = [
+            t for t in targets if (t[0], t[1] or hints.pool) != own and t[0] in profiles
+        ]
+
+    async def next(self, cause: str, failed: Replica | None = None) -> Route | None:
+        """Reserve a place on the next target that can take the request at once, or None
+        when none is left. ``failed``: a replica the request just failed on (not chosen)."""
+        while self._targets:
+            model, pool_name = self._targets.pop(0)
+            pool = self._pools[model]
+            hints = RouteHints(
+                pool=pool_name or self._hints.pool,
+                machine_profile=self._hints.machine_profile,
+                affinity_key=self._hints.affinity_key,
+            )
+            try:
+                plan = self._planner(model)
+                pool.check_hints(hints)
+                exclude = failed if failed is not None and failed in pool.replicas else None
+                replica = await pool.acquire(hints, len(plan.bodies), exclude=exclude, wait=False)
+            except GatewayError:
+                continue  # this target cannot take the request: the next one
+            self.current = plan
+            self._observer.fallback(self.model, cause)
+            return Route(model, pool, replica, hints, plan.bodies, plan.shaper, plan.losers)
+        return None

@@ -5,11 +5,21 @@ prefix cache):
 
 1. Candidates are the *ready* replicas whose labels match the request's ``X-SIE-Pool`` /
    ``X-SIE-MACHINE-PROFILE`` (absent header = any).
-2. With an affinity key (``routing_key``, else ``prompt_cache_key``), replicas are ranked by
-   rendezvous hashing on the key, and the first one whose load stays within
-   ``bound × (mean load + 1)`` is chosen (consistent hashing with bounded loads), so repeat
-   prefixes reach a warm cache but one hot key cannot overload a replica.
-3. Otherwise the replica with the fewest outstanding candidates wins (ties: fewest total).
+2. The model's ``routing`` picks the affinity key: ``prefix`` (default) — ``routing_key``, else
+   ``prompt_cache_key``, else the prompt's prefix key (:mod:`sieproxy.core.affinity`);
+   ``key_only`` — the two client keys only; ``least_loaded`` — none.
+3. With a key, replicas are ranked by rendezvous hashing on it, and the first one whose load
+   stays within ``bound × (mean load + 1)`` is chosen (consistent hashing with bounded loads),
+   so repeat prefixes reach a warm cache but one hot key cannot overload a replica. The ranking
+   depends only on the key and the replica URLs: every gateway process picks the same replica.
+4. Otherwise the least loaded replica wins (ties: fewest own candidates, then fewest total).
+
+Load: a replica's load is the gateway's own outstanding candidates there, unless the engine
+reports its own. The health watcher reads it each interval (SGLang's ``/v1/loads``, else the
+older ``/get_load``: running + waiting requests, over its data-parallel ranks); between two
+reads the load is the engine's figure plus the change in this process's own count since the
+read (never less than the own count). So several gateway processes sharing a fleet balance on
+the engine's real queue; an engine that reports nothing is balanced on the process's counts.
 
 Admission: a replica holds at most ``replica_max_inflight`` candidates. When every matching
 replica is full the request waits (bounded by ``admission_wait``), then gets 503 + Retry-After.
@@ -47,13 +57,12 @@ __all__ = ["ModelPool", "Replica", "RouteHints"]
 
 _LOAD_BOUND = 1.25
 
-
 @dataclass(slots=True)
 class RouteHints:
     pool: str | None = None
     machine_profile: str | None = None
-    affinity_key: str | None = None
-
+    affinity_key: str | None = None  # routing_key, else prompt_cache_key
+    prefix_key: str | None = None  # the prompt's leading block (sieproxy.core.affinity)
 
 @dataclass(eq=False)
 class Replica:
@@ -70,6 +79,14 @@ class Replica:
     opened_at: float = 0.0  # trio time the circuit last opened
     backoff: float = 0.0
     retired: bool = False  # dropped by a config reload: never chosen, its watcher stops
+    engine_load: int | None = None  # running + waiting, as the engine last reported (None: no)
+    inflight_at_read: int = 0  # own candidates here when engine_load was read
+
+    def load(self) -> int:
+        """The engine's reported load plus this process's change since, else its own count."""
+        if self.engine_load is None:
+            return self.inflight
+        return max(self.inflight, self.engine_load + self.inflight - self.inflight_at_read)
 
     def matches(self, h: RouteHints) -> bool:
         return (h.pool is None or h.pool == self.pool) and (
@@ -79,13 +96,23 @@ class Replica:
     def available(self, now: float) -> bool:
         return self.ready and now >= self.out_until
 
-
 class ModelPool:
     """The replicas of one model."""
 
-    def __init__(self, model: str, specs: Iterable[EngineSpec], g: GatewaySettings) -> None:
+    def __init__(
+        self,
+        model: str,
+        specs: Iterable[EngineSpec],
+        g: GatewaySettings,
+        *,
+        routing: str = "prefix",
+    ) -> None:
         self.model = model
         self._g = g
+        self.routing = routing
+        #: Requests waiting for admission now; requests refused 503, by cause (metrics).
+        self.waiting = 0
+        self.unserved = {"no_ready_replica": 0, "at_capacity": 0}
         self.replicas = [
             Replica(url=s.url.rstrip("/"), pool=s.pool, machine_profile=s.machine_profile)
             for s in specs
@@ -216,22 +243,34 @@ class ModelPool:
         roomy = [r for r in live if r.inflight + k <= cap or r.inflight == 0]
         if not roomy:
             return None, True
-        if h.affinity_key is not None:
-            mean = sum(r.inflight for r in live) / len(live)
+        key = self._key(h)
+        if key is not None:
+            mean = sum(r.load() for r in live) / len(live)
             limit = math.ceil(_LOAD_BOUND * (mean + 1))
-            for r in sorted(roomy, key=lambda r: _score(h.affinity_key or "", r.url)):
-                if r.inflight < limit:
+            for r in sorted(roomy, key=lambda r: _score(key, r.url)):
+                if r.load() < limit:
                     return r, True
-        return min(roomy, key=lambda r: (r.inflight, r.total)), True
+        return min(roomy, key=lambda r: (r.load(), r.inflight, r.total)), True
+
+    def _key(self, h: RouteHints) -> str | None:
+        if self.routing == "least_loaded":
+            return None
+        if h.affinity_key is not None or self.routing == "key_only":
+            return h.affinity_key
+        return h.prefix_key
 
     async def acquire(self, h: RouteHints, k: int, *, exclude: Replica | None = None) -> Replica:
         """Reserve ``k`` candidate slots on one replica (bounded wait), or raise 503."""
         r, any_live = self._choose(h, k, exclude)
         if r is None and any_live:  # every matching replica is full: wait for a slot
-            with trio.move_on_after(self._g.admission_wait):  # (no timer when there is room)
-                while r is None and any_live:
-                    await self._room.wait()
-                    r, any_live = self._choose(h, k, exclude)
+            self.waiting += 1
+            try:
+                with trio.move_on_after(self._g.admission_wait):  # (no timer when there is room)
+                    while r is None and any_live:
+                        await self._room.wait()
+                        r, any_live = self._choose(h, k, exclude)
+            finally:
+                self.waiting -= 1
         if r is not None:
             r.inflight += k
             r.total += k
@@ -239,10 +278,12 @@ class ModelPool:
         now = trio.current_time()
         any_live = self.gate_open and any(r.available(now) for r in self.replicas if r.matches(h))
         if any_live:
+            self.unserved["at_capacity"] += 1
             raise ServiceUnavailable(
                 f"Every engine of model {self.model!r} is at capacity; retry shortly.",
                 retry_after=self._g.retry_after,
             )
+        self.unserved["no_ready_replica"] += 1
         raise ServiceUnavailable(
             f"Model {self.model!r} is loading or has no ready engine; retry shortly.",
             retry_after=self._g.retry_after,
@@ -280,6 +321,10 @@ class ModelPool:
             if scope.cancelled_caught:
                 ok = False
                 why = f"its check took longer than {g.health_timeout:g} s"
+            r.engine_load = None
+            if ok:
+                with trio.move_on_after(g.health_timeout):
+                    await self._read_load(r, client)
             # One log line per transition, when a replica leaves or returns.
             if ok and started > r.opened_at and r.out_until > trio.current_time():
                 self._close_breaker(r)
@@ -294,6 +339,14 @@ class ModelPool:
                 g.health_interval if ok or r.info_loaded else min(1.0, g.health_interval)
             )
 
+    async def _read_load(self, r: Replica, client: EngineClient) -> None:
+        """The engine's own load, when it reports one (else the process's counts are used)."""
+        try:
+            load = await client.load(r.url)
+        except Exception:  # a load read failing is no health verdict
+            load = None
+        r.engine_load = None if load is None else load[0] + load[1]
+        r.inflight_at_read = r.inflight
 
 def _score(key: str, url: str) -> bytes:
     # Rendezvous (highest-random-weight) hashing: rank replicas by hash(key, url).

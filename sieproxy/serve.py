@@ -99,7 +99,9 @@ def build_state(settings: Settings) -> GatewayState:
         profiles = {name: _profile(name, m, settings) for name, m in models.items()}
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    pools = {name: ModelPool(name, _specs(m), g) for name, m in models.items()}
+    pools = {
+        name: ModelPool(name, _specs(m), g, routing=m.routing) for name, m in models.items()
+    }
     for name, m in models.items():
         if not m.tokenizer and not m.chat_template:
             pools[name].gate_open = False  # discover the template from the engine first

@@ -33,6 +33,7 @@ from .tokenizer_dir import read_tokenizer_dir
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
+    "ROUTING_MODES",
     "ConfigError",
     "EmbeddedEngine",
     "EngineSpec",
@@ -136,6 +137,9 @@ class ModelSettings(_Conf):
     default_max_tokens: int | None = None
     #: Extra stop strings every request of this model gets.
     stop: list[str] = field(default_factory=list)
+    #: Replica choice: ``prefix`` (affinity on the client's key, else the prompt's leading
+    #: block), ``key_only`` (the client's key only), ``least_loaded`` (no affinity).
+    routing: str = "prefix"
 
 
 class EmbeddedEngine(_Conf):
@@ -173,6 +177,9 @@ class Settings(_Conf):
         toks += [t.strip() for t in env.split(",") if t.strip()]
         return [t.encode("utf-8") for t in toks]
 
+
+#: The values of a model's ``routing`` (their meaning: sieproxy/pool.py).
+ROUTING_MODES = ("prefix", "least_loaded", "key_only")
 
 _PATH_RE = re.compile(r" - at `\$\.?(.*)`$")
 
@@ -296,6 +303,9 @@ def _check(s: Settings, where: str) -> None:
             raise bad(f"models.{name}.tokenizer", f"not a directory: {m.tokenizer}")
         if m.default_max_tokens is not None and m.default_max_tokens < 1:
             raise bad(f"models.{name}.default_max_tokens", "must be >= 1")
+        if m.routing not in ROUTING_MODES:
+            modes = ", ".join(ROUTING_MODES)
+            raise bad(f"models.{name}.routing", f"one of {modes}, not {m.routing!r}")
         _check_parsers_and_template(name, m, bad)
     if s.embedded_engine.enabled and s.embedded_engine.served_name in s.models:
         raise bad(

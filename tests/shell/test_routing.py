@@ -148,10 +148,16 @@ async def test_hot_key_spills_under_concurrency() -> None:
 # ---------------------------------------------------------------------------- least outstanding
 
 
+def least_loaded(s: Settings) -> None:
+    """The model routes by load alone (identical prompts would share a prefix key)."""
+    for m in s.models.values():
+        m.routing = "least_loaded"
+
+
 async def test_least_outstanding_spreads_concurrent_streams() -> None:
     with trio.fail_after(20):
         engines = [FakeEngine(script=SLOW) for _ in range(3)]
-        async with running_gateway(engines) as gw:
+        async with running_gateway(engines, settings_hook=least_loaded) as gw:
             resps = await concurrently(gw, 9, max_tokens=10)
             assert all(x.status_code == 200 for x in resps)
             assert all(sse_events(x.text)[-1] == "[DONE]" for x in resps)

@@ -9,16 +9,20 @@ prefix cache):
    ``prompt_cache_key``, else the prompt's prefix key (:mod:`sieproxy.core.affinity`);
    ``key_only`` — the two client keys only; ``least_loaded`` — none.
 3. With a key, replicas are ranked by rendezvous hashing on it, and the first one whose load
-   stays within ``bound × (mean load + 1)`` is chosen (consistent hashing with bounded loads),
-   so repeat prefixes reach a warm cache but one hot key cannot overload a replica. The ranking
-   depends only on the key and the replica URLs: every gateway process picks the same replica.
+   stays within ``bound × (mean load + 1)`` — and below the engine's running batch
+   (``max_running_requests`` of its ``/server_info``, when given), so affinity never queues a
+   request behind a full batch while another replica has a free slot — is chosen (consistent
+   hashing with bounded loads): repeat prefixes reach a warm cache but one hot key cannot
+   overload a replica. The ranking depends only on the key and the replica URLs: every gateway
+   process picks the same replica.
 4. Otherwise the least loaded replica wins (ties: fewest own candidates, then fewest total).
 
 Load: a replica's load is the gateway's own outstanding candidates there, unless the engine
-reports its own. The health watcher reads it each interval (SGLang's ``/v1/loads``, else the
-older ``/get_load``: running + waiting requests, over its data-parallel ranks); between two
-reads the load is the engine's figure plus the change in this process's own count since the
-read (never less than the own count). So several gateway processes sharing a fleet balance on
+reports its own. The health watcher reads it after each passing check and every
+``load_interval`` between checks (SGLang's ``/v1/loads``, else the older ``/get_load``: running
++ waiting requests, over its data-parallel ranks); between two reads the load is the engine's
+figure plus the change in this process's own count since the read (never less than the own
+count). So several gateway processes sharing a fleet balance on
 the engine's real queue; an engine that reports nothing is balanced on the process's counts.
 
 Admission: a replica holds at most ``replica_max_inflight`` candidates. When every matching
@@ -57,12 +61,14 @@ __all__ = ["ModelPool", "Replica", "RouteHints"]
 
 _LOAD_BOUND = 1.25
 
+
 @dataclass(slots=True)
 class RouteHints:
     pool: str | None = None
     machine_profile: str | None = None
     affinity_key: str | None = None  # routing_key, else prompt_cache_key
     prefix_key: str | None = None  # the prompt's leading block (sieproxy.core.affinity)
+
 
 @dataclass(eq=False)
 class Replica:
@@ -79,6 +85,7 @@ class Replica:
     opened_at: float = 0.0  # trio time the circuit last opened
     backoff: float = 0.0
     retired: bool = False  # dropped by a config reload: never chosen, its watcher stops
+    max_running: int | None = None  # the engine's batch size (server_info), when it says
     engine_load: int | None = None  # running + waiting, as the engine last reported (None: no)
     inflight_at_read: int = 0  # own candidates here when engine_load was read
 
@@ -95,6 +102,7 @@ class Replica:
 
     def available(self, now: float) -> bool:
         return self.ready and now >= self.out_until
+
 
 class ModelPool:
     """The replicas of one model."""
@@ -248,7 +256,8 @@ class ModelPool:
             mean = sum(r.load() for r in live) / len(live)
             limit = math.ceil(_LOAD_BOUND * (mean + 1))
             for r in sorted(roomy, key=lambda r: _score(key, r.url)):
-                if r.load() < limit:
+                load = r.load()
+                if load < limit and (r.max_running is None or load < r.max_running):
                     return r, True
         return min(roomy, key=lambda r: (r.load(), r.inflight, r.total)), True
 
@@ -314,6 +323,7 @@ class ModelPool:
                     if ok and not r.info_loaded:
                         info = await client.server_info(r.url)
                         r.incremental = bool(info.get("incremental_streaming_output", False))
+                        r.max_running = _positive_int(info.get("max_running_requests"))
                         r.info_loaded = True
                 except Exception as exc:
                     ok = False
@@ -322,9 +332,6 @@ class ModelPool:
                 ok = False
                 why = f"its check took longer than {g.health_timeout:g} s"
             r.engine_load = None
-            if ok:
-                with trio.move_on_after(g.health_timeout):
-                    await self._read_load(r, client)
             # One log line per transition, when a replica leaves or returns.
             if ok and started > r.opened_at and r.out_until > trio.current_time():
                 self._close_breaker(r)
@@ -335,18 +342,36 @@ class ModelPool:
             elif not ok and r.ready:
                 log.warning("replica %s of %s is not ready: %s", r.url, self.model, why)
                 r.ready = False
-            await trio.sleep(
-                g.health_interval if ok or r.info_loaded else min(1.0, g.health_interval)
-            )
+            if ok:
+                await self._read_loads(r, client, trio.current_time() + g.health_interval)
+            else:
+                await trio.sleep(
+                    g.health_interval if r.info_loaded else min(1.0, g.health_interval)
+                )
 
-    async def _read_load(self, r: Replica, client: EngineClient) -> None:
-        """The engine's own load, when it reports one (else the process's counts are used)."""
-        try:
-            load = await client.load(r.url)
-        except Exception:  # a load read failing is no health verdict
-            load = None
-        r.engine_load = None if load is None else load[0] + load[1]
-        r.inflight_at_read = r.inflight
+    async def _read_loads(self, r: Replica, client: EngineClient, until: float) -> None:
+        """Read the engine's own load now and every ``load_interval`` until ``until`` (the next
+        health check); an engine that reports none is asked again only after that check."""
+        g = self._g
+        while not r.retired:
+            with trio.move_on_after(g.health_timeout):
+                try:
+                    load = await client.load(r.url)
+                except Exception:  # a load read failing is no health verdict
+                    load = None
+                r.engine_load = None if load is None else load[0] + load[1]
+                r.inflight_at_read = r.inflight
+            now = trio.current_time()
+            step = g.load_interval if r.engine_load is not None else until - now
+            if now + step >= until:
+                await trio.sleep_until(until)
+                return
+            await trio.sleep(step)
+
+
+def _positive_int(v: object) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
 
 def _score(key: str, url: str) -> bytes:
     # Rendezvous (highest-random-weight) hashing: rank replicas by hash(key, url).

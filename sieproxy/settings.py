@@ -100,6 +100,8 @@ class GatewaySettings(_Conf):
     #: Background health checks of each replica.
     health_interval: float = 5.0
     health_timeout: float = 10.0
+    #: Between two health checks, each replica's own load is read this often (routing).
+    load_interval: float = 1.0
     #: Circuit breaker: a replica failing this many requests in a row is taken out for
     #: ``breaker_backoff`` seconds (doubling up to ``breaker_backoff_max``), or until a health
     #: check begun after the opening passes (see sieproxy/pool.py).
@@ -282,6 +284,7 @@ def _check(s: Settings, where: str) -> None:
         "client_stall_timeout",
         "health_interval",
         "health_timeout",
+        "load_interval",
         "shutdown_grace",
         "breaker_backoff",
     ):

@@ -647,3 +647,30 @@ def test_parse_load_shapes() -> None:
     assert parse_load({"loads": [{"unrelated": 1}]}) is None
     assert parse_load({"detail": "Not Found"}) is None
     assert parse_load("nope") is None
+
+
+async def test_affinity_passes_over_a_full_engine_batch() -> None:
+    """Below the load bound but at the engine's max_running_requests: the next in ranking."""
+    pool = make_pool(3)
+    for r in pool.replicas:
+        r.max_running = 2
+    home = await pool.acquire(prefix_hints("prefix:k"), 1)
+    assert await pool.acquire(prefix_hints("prefix:k"), 1) is home  # 1 < 2: still home
+    third = await pool.acquire(prefix_hints("prefix:k"), 1)
+    assert third is not home and home.load() == 2
+
+
+async def test_load_is_read_between_health_checks(autojump_clock: trio.abc.Clock) -> None:
+    pool = make_pool(1, ready=False, health_interval=10.0, load_interval=0.5)
+    fake = LoadHealth()
+    fake.loads = {"10.0.0.0": (1, 0)}
+    (a,) = pool.replicas
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pool.run_health_checks, client_with(fake, pool._g))
+        await wait_for(lambda: a.engine_load == 1)
+        fake.loads["10.0.0.0"] = (3, 4)
+        t0 = trio.current_time()
+        await wait_for(lambda: a.engine_load == 7)
+        assert trio.current_time() - t0 <= 0.6  # the next load read, not the next check
+        assert fake.checks["10.0.0.0"] == 1
+        nursery.cancel_scope.cancel()

@@ -125,6 +125,13 @@ def settings_for(ports: list[int], **gateway: Any) -> Settings:
     return Settings(gateway=g, models=models)
 
 
+def least_loaded(s: Settings) -> None:
+    """A ``settings_hook``: the models route by load alone (``routing = "least_loaded"``), for
+    tests of spreading identical prompts, which the default routing keeps on one replica."""
+    for m in s.models.values():
+        m.routing = "least_loaded"
+
+
 @contextlib.asynccontextmanager
 async def running_gateway(
     engines: list[FakeEngine] | FakeEngine | None = None,

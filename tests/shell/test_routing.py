@@ -18,7 +18,7 @@ import trio
 from engine.fake import Call, DefaultScript, FakeEngine, Fault, Plan
 from sieproxy.settings import Settings
 
-from .harness import Gateway, running_gateway, sse_events
+from .harness import Gateway, least_loaded, running_gateway, sse_events
 from .test_health import (
     KillableEngine,
     Switch,
@@ -146,12 +146,6 @@ async def test_hot_key_spills_under_concurrency() -> None:
 
 
 # ---------------------------------------------------------------------------- least outstanding
-
-
-def least_loaded(s: Settings) -> None:
-    """The model routes by load alone (identical prompts would share a prefix key)."""
-    for m in s.models.values():
-        m.routing = "least_loaded"
 
 
 async def test_least_outstanding_spreads_concurrent_streams() -> None:

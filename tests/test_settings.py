@@ -77,6 +77,9 @@ REFUSED_AT_LOAD = [
     ("[gateway]\nmax_sse_line_bytes = -5\n", "gateway.max_sse_line_bytes", ">= 1"),
     ("[gateway]\nmax_keepalive_connections = -1\n", "gateway.max_keepalive_connections", ">= 0"),
     ("[gateway]\ntokens_file = '/nonexistent/tokens'\n", "gateway.tokens_file", "cannot read"),
+    ("[gateway]\nload_interval = 0\n", "gateway.load_interval", "positive"),
+    ("[models.m]\nengines = ['http://x']\nrouting = 'sticky'\n",
+     "models.m.routing", "one of prefix, least_loaded, key_only, not 'sticky'"),
 ]  # fmt: skip
 
 #: Files the types or the basic checks refuse.

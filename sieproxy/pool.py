@@ -22,8 +22,8 @@ reports its own. The health watcher reads it after each passing check and every
 ``load_interval`` between checks (SGLang's ``/v1/loads``, else the older ``/get_load``: running
 + waiting requests, over its data-parallel ranks); between two reads the load is the engine's
 figure plus the change in this process's own count since the read (never less than the own
-count). So several gateway processes sharing a fleet balance on
-the engine's real queue; an engine that reports nothing is balanced on the process's counts.
+count). So several gateway processes sharing a fleet balance on the engine's real queue; an
+engine that reports nothing is balanced on the process's counts.
 
 Admission: a replica holds at most ``replica_max_inflight`` candidates. When every matching
 replica is full the request waits (bounded by ``admission_wait``), then gets 503 + Retry-After.
@@ -331,7 +331,8 @@ class ModelPool:
             if scope.cancelled_caught:
                 ok = False
                 why = f"its check took longer than {g.health_timeout:g} s"
-            r.engine_load = None
+            if not ok:
+                r.engine_load = None  # until its engine answers again
             # One log line per transition, when a replica leaves or returns.
             if ok and started > r.opened_at and r.out_until > trio.current_time():
                 self._close_breaker(r)
@@ -351,18 +352,21 @@ class ModelPool:
 
     async def _read_loads(self, r: Replica, client: EngineClient, until: float) -> None:
         """Read the engine's own load now and every ``load_interval`` until ``until`` (the next
-        health check); an engine that reports none is asked again only after that check."""
+        health check); an engine without a load endpoint is asked again only after that check,
+        one whose read failed or hung at the next interval (its report is dropped meanwhile)."""
         g = self._g
         while not r.retired:
+            load, absent = None, False
             with trio.move_on_after(g.health_timeout):
                 try:
                     load = await client.load(r.url)
+                    absent = load is None  # no load endpoint (a failed read is retried)
                 except Exception:  # a load read failing is no health verdict
                     load = None
-                r.engine_load = None if load is None else load[0] + load[1]
-                r.inflight_at_read = r.inflight
+            r.engine_load = None if load is None else load[0] + load[1]
+            r.inflight_at_read = r.inflight
             now = trio.current_time()
-            step = g.load_interval if r.engine_load is not None else until - now
+            step = until - now if absent else g.load_interval
             if now + step >= until:
                 await trio.sleep_until(until)
                 return

@@ -608,9 +608,14 @@ class LoadHealth(FakeHealth):
         super().__init__()
         self.loads: dict[str, tuple[int, int]] = {}
         self.legacy: set[str] = set()
+        self.hang_loads = False
+        self.load_reads = 0
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         host, path = request.url.host, request.url.path
+        self.load_reads += path in ("/v1/loads", "/get_load")
+        if self.hang_loads and path in ("/v1/loads", "/get_load"):
+            await trio.sleep_forever()
         if host in self.loads and path == "/v1/loads" and host not in self.legacy:
             run, wait = self.loads[host]
             body = {"loads": [{"dp_rank": 0, "num_running_reqs": run, "num_waiting_reqs": wait}]}
@@ -673,4 +678,36 @@ async def test_load_is_read_between_health_checks(autojump_clock: trio.abc.Clock
         await wait_for(lambda: a.engine_load == 7)
         assert trio.current_time() - t0 <= 0.6  # the next load read, not the next check
         assert fake.checks["10.0.0.0"] == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_hanging_load_read_drops_the_report_not_the_replica(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    pool = make_pool(1, ready=False, health_interval=10.0, health_timeout=1.0, load_interval=0.5)
+    fake = LoadHealth()
+    fake.loads = {"10.0.0.0": (5, 5)}
+    (a,) = pool.replicas
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pool.run_health_checks, client_with(fake, pool._g))
+        await wait_for(lambda: a.engine_load == 10)
+        fake.hang_loads = True
+        await wait_for(lambda: a.engine_load is None, timeout=2.0)
+        assert a.ready  # a load read is no health verdict
+        fake.hang_loads = False
+        await wait_for(lambda: a.engine_load == 10, timeout=2.0)
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_engine_without_load_endpoint_is_asked_once_per_check(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    pool = make_pool(1, ready=False, health_interval=5.0, load_interval=0.5)
+    fake = LoadHealth()  # no entry in fake.loads: /v1/loads and /get_load answer 404
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pool.run_health_checks, client_with(fake, pool._g))
+        await trio.sleep(9.0)  # checks at 0 and 5
+        assert fake.checks["10.0.0.0"] == 2
+        assert fake.load_reads == 4  # both paths, once per check; not every 0.5 s
+        assert pool.replicas[0].engine_load is None
         nursery.cancel_scope.cancel()

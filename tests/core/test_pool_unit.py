@@ -601,6 +601,15 @@ async def test_engine_load_plus_own_change_since_the_read() -> None:
     assert r.load() == 3  # never below the own count
 
 
+@contextlib.asynccontextmanager
+async def watching(pool: ModelPool, fake: FakeHealth) -> AsyncIterator[None]:
+    """The pool's health watchers running against ``fake`` until the block ends."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pool.run_health_checks, client_with(fake, pool._g))
+        yield
+        nursery.cancel_scope.cancel()
+
+
 class LoadHealth(FakeHealth):
     """FakeHealth plus /v1/loads from a per-host table (absent host: 404, no load report)."""
 
@@ -632,8 +641,7 @@ async def test_watcher_reads_the_engine_load(autojump_clock: trio.abc.Clock) -> 
     fake.loads = {"10.0.0.0": (4, 20), "10.0.0.1": (1, 2)}
     fake.legacy = {"10.0.0.1"}
     a, b, c = pool.replicas
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(pool.run_health_checks, client_with(fake, pool._g))
+    async with watching(pool, fake):
         await wait_for(lambda: a.engine_load == 24 and b.engine_load == 3)
         assert c.engine_load is None  # reports nothing: its own counts
         got = Counter([(await take(pool)).url for _ in range(3)])
@@ -643,7 +651,6 @@ async def test_watcher_reads_the_engine_load(autojump_clock: trio.abc.Clock) -> 
         fake.status["10.0.0.0"] = 503  # a replica that fails its check reports nothing
         await wait_for(lambda: not a.ready)
         assert a.engine_load is None
-        nursery.cancel_scope.cancel()
 
 
 def test_parse_load_shapes() -> None:
@@ -670,15 +677,13 @@ async def test_load_is_read_between_health_checks(autojump_clock: trio.abc.Clock
     fake = LoadHealth()
     fake.loads = {"10.0.0.0": (1, 0)}
     (a,) = pool.replicas
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(pool.run_health_checks, client_with(fake, pool._g))
+    async with watching(pool, fake):
         await wait_for(lambda: a.engine_load == 1)
         fake.loads["10.0.0.0"] = (3, 4)
         t0 = trio.current_time()
         await wait_for(lambda: a.engine_load == 7)
         assert trio.current_time() - t0 <= 0.6  # the next load read, not the next check
         assert fake.checks["10.0.0.0"] == 1
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_hanging_load_read_drops_the_report_not_the_replica(
@@ -688,15 +693,13 @@ async def test_a_hanging_load_read_drops_the_report_not_the_replica(
     fake = LoadHealth()
     fake.loads = {"10.0.0.0": (5, 5)}
     (a,) = pool.replicas
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(pool.run_health_checks, client_with(fake, pool._g))
+    async with watching(pool, fake):
         await wait_for(lambda: a.engine_load == 10)
         fake.hang_loads = True
         await wait_for(lambda: a.engine_load is None, timeout=2.0)
         assert a.ready  # a load read is no health verdict
         fake.hang_loads = False
         await wait_for(lambda: a.engine_load == 10, timeout=2.0)
-        nursery.cancel_scope.cancel()
 
 
 async def test_an_engine_without_load_endpoint_is_asked_once_per_check(
@@ -704,10 +707,8 @@ async def test_an_engine_without_load_endpoint_is_asked_once_per_check(
 ) -> None:
     pool = make_pool(1, ready=False, health_interval=5.0, load_interval=0.5)
     fake = LoadHealth()  # no entry in fake.loads: /v1/loads and /get_load answer 404
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(pool.run_health_checks, client_with(fake, pool._g))
+    async with watching(pool, fake):
         await trio.sleep(9.0)  # checks at 0 and 5
         assert fake.checks["10.0.0.0"] == 2
         assert fake.load_reads == 4  # both paths, once per check; not every 0.5 s
         assert pool.replicas[0].engine_load is None
-        nursery.cancel_scope.cancel()

@@ -17,7 +17,10 @@ parsed request as a script sees it — and handed to the engine's *script*, any 
   re-sends the whole text with ``output_ids=[last id]``, SGLang's quirk;
 - ``/abort_request {"rid"}`` ends exactly that running rid with
   ``{"type":"abort","message":"Aborted","status_code":null,"err_type":null}`` then ``[DONE]``;
-- a client closing the connection stops the generation and records the rid as cancelled.
+- a client closing the connection stops the generation and records the rid as cancelled;
+- ``/v1/loads`` (and the older ``/get_load``) report the running requests and none waiting, or
+  what :attr:`FakeEngine.load` scripts (``(running, waiting)``); ``reports_load = False``
+  makes both 404 (an engine that reports no load).
 
 Wire framing is exactly SGLang's: ``data: <compact json>\\n\\n`` per chunk, ``data: [DONE]\\n\\n``.
 The native ``/generate`` supports one prompt with ``n`` absent or 1: batches and ``n > 1`` get a
@@ -548,6 +551,9 @@ class FakeEngine:
         self.context_length = context_length
         self.strict_sampling_params = strict_sampling_params
         self.healthy = healthy
+        #: Scripted ``(running, waiting)`` for /v1/loads; None: the real running count.
+        self.load: tuple[int, int] | None = None
+        self.reports_load = True
         self.host = "127.0.0.1"
         self.port = 0
         self.requests: list[tuple[str, Any]] = []
@@ -684,6 +690,11 @@ class FakeEngine:
                 await conn.send_response(200 if self.healthy else 503)
             elif path in ("/server_info", "/get_server_info") and method == "GET":
                 await self._json(conn, 200, self.server_info())
+            elif path in ("/v1/loads", "/get_load") and method == "GET":
+                if self.reports_load:
+                    await self._json(conn, 200, self.loads(legacy=path == "/get_load"))
+                else:
+                    await self._json(conn, 404, {"detail": "Not Found"})
             elif path in ("/model_info", "/get_model_info") and method == "GET":
                 await self._json(conn, 200, self.model_info())
             elif path == "/v1/models" and method == "GET":
@@ -735,6 +746,17 @@ class FakeEngine:
             "frontend": "fake",
             # Set by a gateway for its embedded engine (it checks that it talks to its child).
             "launch_token": os.environ.get("SIEPROXY_ENGINE_LAUNCH_TOKEN"),
+        }
+
+    def loads(self, *, legacy: bool = False) -> Any:
+        """The ``/v1/loads`` body (``legacy``: ``/get_load``'s), one data-parallel rank."""
+        running, waiting = self.load or (sum(len(v) for v in self._running.values()), 0)
+        if legacy:
+            return [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting}]
+        return {
+            "loads": [
+                {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting}
+            ]
         }
 
     def model_info(self) -> dict[str, Any]:
@@ -1243,7 +1265,7 @@ _KNOWN_PATHS = frozenset(
     {
         "/generate", "/v1/chat/completions", "/abort_request", "/health", "/health_generate",
         "/ready", "/server_info", "/get_server_info", "/model_info", "/get_model_info",
-        "/v1/models",
+        "/v1/models", "/v1/loads", "/get_load",
     }
 )  # fmt: skip
 

@@ -326,6 +326,7 @@ async def _start(
         pool=headers.get(b"x-sie-pool") or None,
         machine_profile=headers.get(b"x-sie-machine-profile") or None,
         affinity_key=plan.affinity_key,
+        prefix_key=plan.prefix_key,
     )
     pool.check_hints(hints)
     stats = RequestStats(

@@ -47,7 +47,7 @@ from .core.errors import (
 from .core.http1 import FramingError, ResponseParser, request_head
 from .settings import GatewaySettings
 
-__all__ = ["EngineClient", "UpstreamResponse"]
+__all__ = ["EngineClient", "UpstreamResponse", "parse_load"]
 
 _encode = msgspec.json.Encoder().encode
 _RECV = 65536
@@ -486,6 +486,21 @@ class EngineClient:
         """``/model_info`` (falls back to the older ``/get_model_info``)."""
         return await self._info(base, ("/model_info", "/get_model_info"))
 
+    async def load(self, base: str) -> tuple[int, int] | None:
+        """The engine's (running, waiting) requests, summed over its data-parallel ranks:
+        SGLang's ``/v1/loads`` (``{"loads": [{"num_running_reqs", "num_waiting_reqs"}]}``), else
+        the older ``/get_load`` (``[{"num_reqs", "num_waiting_reqs"}]``, where ``num_reqs``
+        counts both). None when the engine reports neither."""
+        with _map_errors():
+            for path in ("/v1/loads", "/get_load"):
+                resp = await self._client.get(base + path)
+                if resp.status_code == 200:
+                    try:
+                        return parse_load(msgspec.json.decode(resp.content))
+                    except (msgspec.DecodeError, TypeError, ValueError):
+                        return None
+        return None
+
     async def _info(self, base: str, paths: tuple[str, ...]) -> dict[str, Any]:
         with _map_errors():
             for path in paths:
@@ -499,6 +514,24 @@ class EngineClient:
                         return info
                     raise EngineMalformed()
         return {}
+
+
+def parse_load(obj: Any) -> tuple[int, int] | None:
+    """(running, waiting) from a ``/v1/loads`` or ``/get_load`` body (None: neither shape)."""
+    ranks = obj.get("loads") if isinstance(obj, dict) else obj
+    if not isinstance(ranks, list) or not all(isinstance(x, dict) for x in ranks):
+        return None
+    running = waiting = 0
+    for x in ranks:
+        w = int(x.get("num_waiting_reqs", 0))
+        if "num_running_reqs" in x:
+            running += int(x["num_running_reqs"])
+        elif "num_reqs" in x:
+            running += int(x["num_reqs"]) - w
+        else:
+            return None
+        waiting += w
+    return max(0, running), max(0, waiting)
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 import msgspec
 import trio
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
@@ -51,7 +51,7 @@ class _PoolCollector(Collector):
         self._pools = pools
         self._inflight = inflight
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         inflight = GaugeMetricFamily(
             "sieproxy_replica_inflight_candidates",
             "Candidates running on each engine replica.",
@@ -81,6 +81,51 @@ class _PoolCollector(Collector):
         yield inflight
         yield healthy
         yield requests
+        yield from self._autoscaling(now)
+
+    def _autoscaling(self, now: float) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        """Per model, what an autoscaler reads (docs/DEPLOYMENT.md#autoscaling)."""
+        labels = ["model"]
+        waiting = GaugeMetricFamily(
+            "sieproxy_admission_waiting_requests",
+            "Requests waiting for a replica with room (admission_wait).",
+            labels=labels,
+        )
+        running = GaugeMetricFamily(
+            "sieproxy_running_candidates",
+            "Candidates running on the model's replicas from this process.",
+            labels=labels,
+        )
+        ready = GaugeMetricFamily(
+            "sieproxy_ready_replicas", "Replicas ready with a closed circuit.", labels=labels
+        )
+        configured = GaugeMetricFamily(
+            "sieproxy_replicas", "Replicas configured (ready or not).", labels=labels
+        )
+        unserved = CounterMetricFamily(
+            "sieproxy_unserved_requests",
+            "Requests answered 503 for want of a replica: no_ready_replica (pending demand of a "
+            "model with no replica: scale from zero) or at_capacity.",
+            labels=["model", "cause"],
+        )
+        engine_load = GaugeMetricFamily(
+            "sieproxy_replica_engine_load",
+            "Requests running and waiting on the replica as its engine last reported (all "
+            "gateways'); absent when the engine reports no load.",
+            labels=["model", "replica"],
+        )
+        for model, pool in self._pools.items():
+            waiting.add_metric([model], pool.waiting)
+            running.add_metric([model], sum(r.inflight for r in pool.replicas))
+            up = sum(1 for r in pool.replicas if r.available(now)) if pool.gate_open else 0
+            ready.add_metric([model], up)
+            configured.add_metric([model], len(pool.replicas))
+            for cause, count in pool.unserved.items():
+                unserved.add_metric([model, cause], count)
+            for r in pool.replicas:
+                if r.engine_load is not None:
+                    engine_load.add_metric([model, r.url], r.engine_load)
+        yield from (waiting, running, ready, configured, unserved, engine_load)
 
 
 class Observer:
@@ -153,12 +198,12 @@ class Observer:
                 self.fallbacks.labels(model, cause)
         r.register(_PoolCollector(pools, inflight))
 
+    def fallback(self, model: str, cause: str) -> None:
+        """One request of ``model`` went to a fallback (``cause``: a fixed vocabulary)."""
+        self.fallbacks.labels(model, cause).inc()
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
-
-    def fallback(self, model: str, cause: str) -> None:
-        """A request for ``model`` moved to one of its fallbacks (before any byte)."""
-        self.fallbacks.labels(model, cause).inc()
 
     def refusal(
         self,

@@ -5,11 +5,25 @@ prefix cache):
 
 1. Candidates are the *ready* replicas whose labels match the request's ``X-SIE-Pool`` /
    ``X-SIE-MACHINE-PROFILE`` (absent header = any).
-2. With an affinity key (``routing_key``, else ``prompt_cache_key``), replicas are ranked by
-   rendezvous hashing on the key, and the first one whose load stays within
-   ``bound × (mean load + 1)`` is chosen (consistent hashing with bounded loads), so repeat
-   prefixes reach a warm cache but one hot key cannot overload a replica.
-3. Otherwise the replica with the fewest outstanding candidates wins (ties: fewest total).
+2. The model's ``routing`` picks the affinity key: ``prefix`` (default) — ``routing_key``, else
+   ``prompt_cache_key``, else the prompt's prefix key (:mod:`sieproxy.core.affinity`);
+   ``key_only`` — the two client keys only; ``least_loaded`` — none.
+3. With a key, replicas are ranked by rendezvous hashing on it, and the first one whose load
+   stays within ``bound × (mean load + 1)`` — and below the engine's running batch
+   (``max_running_requests`` of its ``/server_info``, when given), so affinity never queues a
+   request behind a full batch while another replica has a free slot — is chosen (consistent
+   hashing with bounded loads): repeat prefixes reach a warm cache but one hot key cannot
+   overload a replica. The ranking depends only on the key and the replica URLs: every gateway
+   process picks the same replica.
+4. Otherwise the least loaded replica wins (ties: fewest own candidates, then fewest total).
+
+Load: a replica's load is the gateway's own outstanding candidates there, unless the engine
+reports its own. The health watcher reads it after each passing check and every
+``load_interval`` between checks (SGLang's ``/v1/loads``, else the older ``/get_load``: running
++ waiting requests, over its data-parallel ranks); between two reads the load is the engine's
+figure plus the change in this process's own count since the read (never less than the own
+count). So several gateway processes sharing a fleet balance on the engine's real queue; an
+engine that reports nothing is balanced on the process's counts.
 
 Admission: a replica holds at most ``replica_max_inflight`` candidates. When every matching
 replica is full the request waits (bounded by ``admission_wait``), then gets 503 + Retry-After.
@@ -53,7 +67,8 @@ _LOAD_BOUND = 1.25
 class RouteHints:
     pool: str | None = None
     machine_profile: str | None = None
-    affinity_key: str | None = None
+    affinity_key: str | None = None  # routing_key, else prompt_cache_key
+    prefix_key: str | None = None  # the prompt's leading block (sieproxy.core.affinity)
 
 
 @dataclass(eq=False)
@@ -72,6 +87,15 @@ class Replica:
     backoff: float = 0.0
     retired: bool = False  # dropped by a config reload: never chosen, its watcher stops
     foreign: bool = False  # the process answering at url is not the expected engine
+    max_running: int | None = None  # the engine's batch size (server_info), when it says
+    engine_load: int | None = None  # running + waiting, as the engine last reported (None: no)
+    inflight_at_read: int = 0  # own candidates here when engine_load was read
+
+    def load(self) -> int:
+        """The engine's reported load plus this process's change since, else its own count."""
+        if self.engine_load is None:
+            return self.inflight
+        return max(self.inflight, self.engine_load + self.inflight - self.inflight_at_read)
 
     def matches(self, h: RouteHints) -> bool:
         return (h.pool is None or h.pool == self.pool) and (
@@ -85,9 +109,20 @@ class Replica:
 class ModelPool:
     """The replicas of one model."""
 
-    def __init__(self, model: str, specs: Iterable[EngineSpec], g: GatewaySettings) -> None:
+    def __init__(
+        self,
+        model: str,
+        specs: Iterable[EngineSpec],
+        g: GatewaySettings,
+        *,
+        routing: str = "prefix",
+    ) -> None:
         self.model = model
         self._g = g
+        self.routing = routing
+        #: Requests waiting for admission now; requests refused 503, by cause (metrics).
+        self.waiting = 0
+        self.unserved = {"no_ready_replica": 0, "at_capacity": 0}
         self.replicas = [
             Replica(url=s.url.rstrip("/"), pool=s.pool, machine_profile=s.machine_profile)
             for s in specs
@@ -221,13 +256,22 @@ class ModelPool:
         roomy = [r for r in live if r.inflight + k <= cap or r.inflight == 0]
         if not roomy:
             return None, True
-        if h.affinity_key is not None:
-            mean = sum(r.inflight for r in live) / len(live)
+        key = self._key(h)
+        if key is not None:
+            mean = sum(r.load() for r in live) / len(live)
             limit = math.ceil(_LOAD_BOUND * (mean + 1))
-            for r in sorted(roomy, key=lambda r: _score(h.affinity_key or "", r.url)):
-                if r.inflight < limit:
+            for r in sorted(roomy, key=lambda r: _score(key, r.url)):
+                load = r.load()
+                if load < limit and (r.max_running is None or load < r.max_running):
                     return r, True
-        return min(roomy, key=lambda r: (r.inflight, r.total)), True
+        return min(roomy, key=lambda r: (r.load(), r.inflight, r.total)), True
+
+    def _key(self, h: RouteHints) -> str | None:
+        if self.routing == "least_loaded":
+            return None
+        if h.affinity_key is not None or self.routing == "key_only":
+            return h.affinity_key
+        return h.prefix_key
 
     async def acquire(
         self, h: RouteHints, k: int, *, exclude: Replica | None = None, wait: bool = True
@@ -236,10 +280,14 @@ class ModelPool:
         or raise 503."""
         r, any_live = self._choose(h, k, exclude)
         if r is None and any_live and wait:  # every matching replica is full: wait for a slot
-            with trio.move_on_after(self._g.admission_wait):  # (no timer when there is room)
-                while r is None and any_live:
-                    await self._room.wait()
-                    r, any_live = self._choose(h, k, exclude)
+            self.waiting += 1
+            try:
+                with trio.move_on_after(self._g.admission_wait):  # (no timer when there is room)
+                    while r is None and any_live:
+                        await self._room.wait()
+                        r, any_live = self._choose(h, k, exclude)
+            finally:
+                self.waiting -= 1
         if r is not None:
             r.inflight += k
             r.total += k
@@ -247,10 +295,12 @@ class ModelPool:
         now = trio.current_time()
         any_live = self.gate_open and any(r.available(now) for r in self.replicas if r.matches(h))
         if any_live:
+            self.unserved["at_capacity"] += 1
             raise ServiceUnavailable(
                 f"Every engine of model {self.model!r} is at capacity; retry shortly.",
                 retry_after=self._g.retry_after,
             )
+        self.unserved["no_ready_replica"] += 1
         raise ServiceUnavailable(
             f"Model {self.model!r} is loading or has no ready engine; retry shortly.",
             retry_after=self._g.retry_after,
@@ -287,6 +337,7 @@ class ModelPool:
                             why = "the process answering there is not this gateway's engine"
                         else:
                             r.incremental = bool(info.get("incremental_streaming_output", False))
+                            r.max_running = _positive_int(info.get("max_running_requests"))
                             r.info_loaded = True
                 except Exception as exc:
                     ok = False
@@ -299,6 +350,8 @@ class ModelPool:
             r.foreign = foreign
             if not ok and self.launch_token:
                 r.info_loaded = False  # after an outage, check who answers there again
+            if not ok:
+                r.engine_load = None  # until its engine answers again
             # One log line per transition, when a replica leaves or returns.
             if ok and started > r.opened_at and r.out_until > trio.current_time():
                 self._close_breaker(r)
@@ -309,9 +362,38 @@ class ModelPool:
             elif not ok and r.ready:
                 log.warning("replica %s of %s is not ready: %s", r.url, self.model, why)
                 r.ready = False
-            await trio.sleep(
-                g.health_interval if ok or r.info_loaded else min(1.0, g.health_interval)
-            )
+            if ok:
+                await self._read_loads(r, client, trio.current_time() + g.health_interval)
+            else:
+                await trio.sleep(
+                    g.health_interval if r.info_loaded else min(1.0, g.health_interval)
+                )
+
+    async def _read_loads(self, r: Replica, client: EngineClient, until: float) -> None:
+        """Read the engine's own load now and every ``load_interval`` until ``until`` (the next
+        health check); an engine without a load endpoint is asked again only after that check,
+        one whose read failed or hung at the next interval (its report is dropped meanwhile)."""
+        g = self._g
+        while not r.retired:
+            load, absent = None, False
+            with trio.move_on_after(g.health_timeout):
+                try:
+                    load = await client.load(r.url)
+                    absent = load is None  # no load endpoint (a failed read is retried)
+                except Exception:  # a load read failing is no health verdict
+                    load = None
+            r.engine_load = None if load is None else load[0] + load[1]
+            r.inflight_at_read = r.inflight
+            now = trio.current_time()
+            step = until - now if absent else g.load_interval
+            if now + step >= until:
+                await trio.sleep_until(until)
+                return
+            await trio.sleep(step)
+
+
+def _positive_int(v: object) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
 def _score(key: str, url: str) -> bytes:

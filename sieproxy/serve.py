@@ -111,7 +111,10 @@ def build_state(settings: Settings) -> GatewayState:
         name: EngineSources(name, _specs(m), m.engines_file, g.health_timeout)
         for name, m in models.items()
     }
-    pools = {name: ModelPool(name, sources[name].specs(), g) for name in models}
+    pools = {
+        name: ModelPool(name, sources[name].specs(), g, routing=m.routing)
+        for name, m in models.items()
+    }
     if settings.embedded_engine.enabled:
         pools[settings.embedded_engine.served_name].launch_token = secrets.token_urlsafe(16)
     for name, m in models.items():

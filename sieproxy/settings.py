@@ -33,6 +33,7 @@ from .tokenizer_dir import read_tokenizer_dir
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
+    "ROUTING_MODES",
     "ConfigError",
     "EmbeddedEngine",
     "EngineSpec",
@@ -101,6 +102,8 @@ class GatewaySettings(_Conf):
     #: Background health checks of each replica.
     health_interval: float = 5.0
     health_timeout: float = 10.0
+    #: Between two health checks, each replica's own load is read this often (routing).
+    load_interval: float = 1.0
     #: Circuit breaker: a replica failing this many requests in a row is taken out for
     #: ``breaker_backoff`` seconds (doubling up to ``breaker_backoff_max``), or until a health
     #: check begun after the opening passes (see sieproxy/pool.py).
@@ -155,6 +158,9 @@ class ModelSettings(_Conf):
     default_max_tokens: int | None = None
     #: Extra stop strings every request of this model gets.
     stop: list[str] = field(default_factory=list)
+    #: Replica choice: ``prefix`` (affinity on the client's key, else the prompt's leading
+    #: block), ``key_only`` (the client's key only), ``least_loaded`` (no affinity).
+    routing: str = "prefix"
 
 
 class EmbeddedEngine(_Conf):
@@ -255,6 +261,9 @@ def _fallback_target(owner: str, entry: str | FallbackSpec) -> tuple[str, str | 
         return entry, None
     return entry.model or owner, entry.pool
 
+
+#: The values of a model's ``routing`` (their meaning: sieproxy/pool.py).
+ROUTING_MODES = ("prefix", "least_loaded", "key_only")
 
 _PATH_RE = re.compile(r" - at `\$\.?(.*)`$")
 
@@ -357,6 +366,7 @@ def _check(s: Settings, where: str) -> None:
         "client_stall_timeout",
         "health_interval",
         "health_timeout",
+        "load_interval",
         "shutdown_grace",
         "breaker_backoff",
     ):
@@ -392,6 +402,9 @@ def _check(s: Settings, where: str) -> None:
             raise bad(f"models.{name}.tokenizer", f"not a directory: {m.tokenizer}")
         if m.default_max_tokens is not None and m.default_max_tokens < 1:
             raise bad(f"models.{name}.default_max_tokens", "must be >= 1")
+        if m.routing not in ROUTING_MODES:
+            modes = ", ".join(ROUTING_MODES)
+            raise bad(f"models.{name}.routing", f"one of {modes}, not {m.routing!r}")
         _check_parsers_and_template(name, m, bad)
     if s.embedded_engine.kind not in ("cpu", "fake"):
         raise bad("embedded_engine.kind", "one of cpu, fake")

@@ -95,6 +95,9 @@ REFUSED_AT_LOAD = [
      "models.m.engines[0].interval", "positive"),
     ("[models.m]\nengines_file = '/nonexistent/engines.txt'\n",
      "models.m.engines_file", "cannot read"),
+    ("[gateway]\nload_interval = 0\n", "gateway.load_interval", "positive"),
+    ("[models.m]\nengines = ['http://x']\nrouting = 'sticky'\n",
+     "models.m.routing", "one of prefix, least_loaded, key_only, not 'sticky'"),
 ]  # fmt: skip
 
 #: Files the types or the basic checks refuse.

@@ -537,6 +537,25 @@ def build_app(engine: CpuEngine) -> QuartTrio:
     app.add_url_rule("/server_info", "server_info", server_info, methods=["GET"])
     app.add_url_rule("/get_server_info", "get_server_info", server_info, methods=["GET"])
 
+    def _load() -> tuple[int, int]:
+        if engine.scheduler is None:
+            return 0, 0
+        stats = engine.scheduler.statistics()
+        return int(stats["num_running_reqs"]), int(stats["num_waiting_reqs"])
+
+    @app.route("/v1/loads", methods=["GET"])
+    async def loads() -> Any:
+        """SGLang's load report (one data-parallel rank): requests running and waiting."""
+        running, waiting = _load()
+        rank = {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting}
+        return _json({"loads": [rank]})
+
+    @app.route("/get_load", methods=["GET"])
+    async def get_load() -> Any:
+        """SGLang's older shape of the same (``num_reqs`` counts running and waiting)."""
+        running, waiting = _load()
+        return _json([{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting}])
+
     @app.route("/v1/models", methods=["GET"])
     async def models() -> Any:
         created = int(time.time())

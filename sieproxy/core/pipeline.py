@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .affinity import prefix_key
 from .errors import GatewayError, NotFound, RequestError
 from .events import CandidateDelta, CandidateFinish, ReasoningParser, ToolCallParser
 from .merger import ChatCollector, ChatStream, CompletionCollector, CompletionStream
@@ -68,6 +69,9 @@ class Prepared:
     shaper: Any  # ChatStream | CompletionStream | _Collected
     losers: Callable[[], list[int]] | None
     affinity_key: str | None
+    #: The prompt's prefix-affinity key, used when ``affinity_key`` is None (model routing
+    #: ``prefix``).
+    prefix_key: str | None = None
 
     def usage(self) -> tuple[int, int]:
         """(prompt tokens once, completion tokens summed) over what the engines reported."""
@@ -157,6 +161,7 @@ def build_chat(
         shaper=shaper,
         losers=losers,
         affinity_key=req.routing_key or req.prompt_cache_key,
+        prefix_key=plan.prefix_key,
     )
 
 
@@ -193,6 +198,7 @@ def build_completion(
         shaper=shaper,
         losers=None,
         affinity_key=None,
+        prefix_key=prefix_key(valid.prompt),
     )
 
 
@@ -234,4 +240,5 @@ def build_responses(
         shaper=shaper,
         losers=None,
         affinity_key=req.prompt_cache_key,
+        prefix_key=plan.prefix_key,
     )

@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .affinity import opening_end, prefix_key
 from .errors import InvalidRequest
 from .grammar import response_format_constraint, tool_plan, with_schema_in_prompt
 from .profile import ModelProfile
@@ -71,6 +72,7 @@ class ChatPlan:
     JSON-array constraint, ``None`` when tools are off). ``reasoning_parser``: the profile's.
     ``prompt``: the rendered prompt. ``reasoning_open``: the prompt leaves a ``<think>`` block
     open (the template started the reasoning), so output begins inside reasoning.
+    ``prefix_key``: the prompt's prefix-affinity key (:mod:`sieproxy.core.affinity`).
     """
 
     bodies: list[dict[str, Any]]
@@ -78,6 +80,7 @@ class ChatPlan:
     reasoning_parser: str | None
     prompt: str
     reasoning_open: bool = False
+    prefix_key: str | None = None
 
 
 def candidate_seed(seed: int, index: int) -> int:
@@ -178,6 +181,7 @@ def plan_chat(
         reasoning_parser=profile.reasoning_parser,
         prompt=prompt,
         reasoning_open=profile.reasoning_parser is not None and _reasoning_open(prompt),
+        prefix_key=prefix_key(prompt, opening_end(prompt, messages)),
     )
 
 

@@ -17,19 +17,20 @@ import pytest
 import trio
 
 from sieproxy.core.errors import InvalidRequest, ServiceUnavailable
-from sieproxy.engine_client import EngineClient
+from sieproxy.engine_client import EngineClient, parse_load
 from sieproxy.pool import ModelPool, Replica, RouteHints
+from sieproxy.pool import _score as pool_score
 from sieproxy.settings import EngineSpec, GatewaySettings
 
 MODEL = "m"
 
 
-def make_pool(n: int = 3, *, ready: bool = True, **g: object) -> ModelPool:
+def make_pool(n: int = 3, *, ready: bool = True, routing: str = "prefix", **g: object) -> ModelPool:
     specs = [
         EngineSpec(url=f"http://10.0.0.{i}:3000", pool=f"pool-{i % 2}", machine_profile=f"p{i}")
         for i in range(n)
     ]
-    pool = ModelPool(MODEL, specs, GatewaySettings(**g))  # type: ignore[arg-type]
+    pool = ModelPool(MODEL, specs, GatewaySettings(**g), routing=routing)  # type: ignore[arg-type]
     for r in pool.replicas:
         r.ready = ready
     return pool
@@ -503,3 +504,211 @@ async def wait_for(pred: Callable[[], bool], timeout: float = 100.0) -> None:
     with trio.fail_after(timeout):
         while not pred():
             await trio.sleep(0.01)
+
+
+# ---------------------------------------------------------------------------- prefix affinity
+
+
+def prefix_hints(key: str) -> RouteHints:
+    return RouteHints(prefix_key=key)
+
+
+async def test_same_prefix_same_replica_from_independent_pools() -> None:
+    """Two gateway processes share nothing: the choice depends on the key and the URLs only
+    (even listed in another order)."""
+    a, b = make_pool(4), make_pool(4)
+    b.replicas.reverse()
+    for i in range(40):
+        key = f"prefix:{i}"
+        ra, rb = await a.acquire(prefix_hints(key), 1), await b.acquire(prefix_hints(key), 1)
+        assert ra.url == rb.url
+        a.release(ra)
+        b.release(rb)
+    used = Counter([(await a.acquire(prefix_hints(f"prefix:{i}"), 1)).url for i in range(40)])
+    assert len(used) == 4  # prefixes spread over the replicas
+
+
+async def test_prefix_moves_when_its_replica_dies_and_comes_back() -> None:
+    pool = make_pool(4)
+    home = await pool.acquire(prefix_hints("prefix:conv"), 1)
+    pool.release(home)
+    home.ready = False
+    away = await pool.acquire(prefix_hints("prefix:conv"), 1)
+    assert away is not home
+    pool.release(away)
+    again = await pool.acquire(prefix_hints("prefix:conv"), 1)
+    assert again is away  # stable while the replica is out
+    pool.release(again)
+    home.ready = True
+    assert await pool.acquire(prefix_hints("prefix:conv"), 1) is home
+
+
+async def test_hot_prefix_spills_over_at_the_load_bound() -> None:
+    pool = make_pool(4)
+    got = [await pool.acquire(prefix_hints("prefix:hot"), 1) for _ in range(40)]
+    counts = Counter(r.url for r in got)
+    home = got[0].url
+    assert counts[home] == max(counts.values())
+    assert len(counts) >= 3, counts
+    assert max(counts.values()) <= math.ceil(1.25 * (40 / 4 + 1)), counts
+
+
+async def test_routing_modes_choose_the_key() -> None:
+    both = RouteHints(affinity_key="client-key", prefix_key="prefix:p")
+    only_prefix = RouteHints(prefix_key="prefix:p")
+    modes = ("prefix", "key_only", "least_loaded")
+    prefix, key_only, least = (make_pool(4, routing=m) for m in modes)
+    assert prefix._key(both) == "client-key"  # the client's key wins
+    assert prefix._key(only_prefix) == "prefix:p"
+    assert key_only._key(both) == "client-key"
+    assert key_only._key(only_prefix) is None
+    assert least._key(both) is None
+    # least_loaded spreads one repeated prompt; prefix keeps it together
+    assert len({(await least.acquire(only_prefix, 1)).url for _ in range(4)}) == 4
+    assert len({(await prefix.acquire(only_prefix, 1)).url for _ in range(2)}) == 1
+
+
+# ---------------------------------------------------------------------------- engine load
+
+
+async def test_reported_queue_gets_less_new_work() -> None:
+    pool = make_pool(3)
+    busy = pool.replicas[0]
+    busy.engine_load, busy.inflight_at_read = 30, 0  # other gateways' work queued there
+    got = Counter([(await take(pool)).url for _ in range(12)])
+    assert busy.url not in got
+    # and a prefix whose home reports a long queue spills to the next replica in its ranking
+    for i in range(50):
+        key = f"prefix:{i}"
+        ranked = sorted(pool.replicas, key=lambda r: pool_score(key, r.url))
+        if ranked[0] is busy:
+            break
+    r = await pool.acquire(prefix_hints(key), 1)
+    assert r is ranked[1]
+
+
+async def test_engine_load_plus_own_change_since_the_read() -> None:
+    r = Replica(url="http://x", ready=True)
+    assert r.load() == 0
+    r.inflight = 2
+    r.engine_load, r.inflight_at_read = 5, 2  # the engine counted our 2 and 3 others
+    r.inflight = 4
+    assert r.load() == 7
+    r.inflight = 0  # ours finished since: the others remain
+    assert r.load() == 3
+    r.engine_load = 0
+    r.inflight = 3
+    assert r.load() == 3  # never below the own count
+
+
+@contextlib.asynccontextmanager
+async def watching(pool: ModelPool, fake: FakeHealth) -> AsyncIterator[None]:
+    """The pool's health watchers running against ``fake`` until the block ends."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pool.run_health_checks, client_with(fake, pool._g))
+        yield
+        nursery.cancel_scope.cancel()
+
+
+class LoadHealth(FakeHealth):
+    """FakeHealth plus /v1/loads from a per-host table (absent host: 404, no load report)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loads: dict[str, tuple[int, int]] = {}
+        self.legacy: set[str] = set()
+        self.hang_loads = False
+        self.load_reads = 0
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        host, path = request.url.host, request.url.path
+        self.load_reads += path in ("/v1/loads", "/get_load")
+        if self.hang_loads and path in ("/v1/loads", "/get_load"):
+            await trio.sleep_forever()
+        if host in self.loads and path == "/v1/loads" and host not in self.legacy:
+            run, wait = self.loads[host]
+            body = {"loads": [{"dp_rank": 0, "num_running_reqs": run, "num_waiting_reqs": wait}]}
+            return httpx.Response(200, json=body)
+        if host in self.loads and path == "/get_load" and host in self.legacy:
+            run, wait = self.loads[host]
+            return httpx.Response(200, json=[{"num_reqs": run + wait, "num_waiting_reqs": wait}])
+        return await super().__call__(request)
+
+
+async def test_watcher_reads_the_engine_load(autojump_clock: trio.abc.Clock) -> None:
+    pool = make_pool(3, ready=False, health_interval=0.5)
+    fake = LoadHealth()
+    fake.loads = {"10.0.0.0": (4, 20), "10.0.0.1": (1, 2)}
+    fake.legacy = {"10.0.0.1"}
+    a, b, c = pool.replicas
+    async with watching(pool, fake):
+        await wait_for(lambda: a.engine_load == 24 and b.engine_load == 3)
+        assert c.engine_load is None  # reports nothing: its own counts
+        got = Counter([(await take(pool)).url for _ in range(3)])
+        assert got == {c.url: 2, b.url: 1} or got == {c.url: 3}
+        fake.loads["10.0.0.0"] = (0, 0)  # the queue drained
+        await wait_for(lambda: a.engine_load == 0)
+        fake.status["10.0.0.0"] = 503  # a replica that fails its check reports nothing
+        await wait_for(lambda: not a.ready)
+        assert a.engine_load is None
+
+
+def test_parse_load_shapes() -> None:
+    assert parse_load({"loads": [{"num_running_reqs": 3, "num_waiting_reqs": 1}] * 2}) == (6, 2)
+    assert parse_load([{"num_reqs": 5, "num_waiting_reqs": 2}]) == (3, 2)
+    assert parse_load({"loads": [{"unrelated": 1}]}) is None
+    assert parse_load({"detail": "Not Found"}) is None
+    assert parse_load("nope") is None
+
+
+async def test_affinity_passes_over_a_full_engine_batch() -> None:
+    """Below the load bound but at the engine's max_running_requests: the next in ranking."""
+    pool = make_pool(3)
+    for r in pool.replicas:
+        r.max_running = 2
+    home = await pool.acquire(prefix_hints("prefix:k"), 1)
+    assert await pool.acquire(prefix_hints("prefix:k"), 1) is home  # 1 < 2: still home
+    third = await pool.acquire(prefix_hints("prefix:k"), 1)
+    assert third is not home and home.load() == 2
+
+
+async def test_load_is_read_between_health_checks(autojump_clock: trio.abc.Clock) -> None:
+    pool = make_pool(1, ready=False, health_interval=10.0, load_interval=0.5)
+    fake = LoadHealth()
+    fake.loads = {"10.0.0.0": (1, 0)}
+    (a,) = pool.replicas
+    async with watching(pool, fake):
+        await wait_for(lambda: a.engine_load == 1)
+        fake.loads["10.0.0.0"] = (3, 4)
+        t0 = trio.current_time()
+        await wait_for(lambda: a.engine_load == 7)
+        assert trio.current_time() - t0 <= 0.6  # the next load read, not the next check
+        assert fake.checks["10.0.0.0"] == 1
+
+
+async def test_a_hanging_load_read_drops_the_report_not_the_replica(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    pool = make_pool(1, ready=False, health_interval=10.0, health_timeout=1.0, load_interval=0.5)
+    fake = LoadHealth()
+    fake.loads = {"10.0.0.0": (5, 5)}
+    (a,) = pool.replicas
+    async with watching(pool, fake):
+        await wait_for(lambda: a.engine_load == 10)
+        fake.hang_loads = True
+        await wait_for(lambda: a.engine_load is None, timeout=2.0)
+        assert a.ready  # a load read is no health verdict
+        fake.hang_loads = False
+        await wait_for(lambda: a.engine_load == 10, timeout=2.0)
+
+
+async def test_an_engine_without_load_endpoint_is_asked_once_per_check(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    pool = make_pool(1, ready=False, health_interval=5.0, load_interval=0.5)
+    fake = LoadHealth()  # no entry in fake.loads: /v1/loads and /get_load answer 404
+    async with watching(pool, fake):
+        await trio.sleep(9.0)  # checks at 0 and 5
+        assert fake.checks["10.0.0.0"] == 2
+        assert fake.load_reads == 4  # both paths, once per check; not every 0.5 s
+        assert pool.replicas[0].engine_load is None

@@ -256,6 +256,11 @@ async def test_queue_full_503(server: dict[str, Any]) -> None:
                 r = await c.post("/generate", json={**body, "text": "b"})
                 assert r.status_code == 503
                 assert r.json()["code"] == 503 and "queue" in r.json()["message"]
+                # the load report a gateway balances on (SGLang's /v1/loads and /get_load)
+                (rank,) = (await c.get("/v1/loads")).json()["loads"]
+                assert (rank["num_running_reqs"], rank["num_waiting_reqs"]) == (4, 2)
+                (legacy,) = (await c.get("/get_load")).json()
+                assert (legacy["num_reqs"], legacy["num_waiting_reqs"]) == (6, 2)
                 for rid in rids:
                     await c.post("/abort_request", json={"rid": rid})
         finally:

@@ -692,3 +692,21 @@ async def test_cli_serves() -> None:
             proc.terminate()
             await proc.wait()
     assert len(events) == 4 and info["incremental_streaming_output"] is True
+
+
+async def test_load_report_real_scripted_and_absent(nursery: trio.Nursery) -> None:
+    engine = FakeEngine(script=DefaultScript(itl=0.05))
+    with trio.fail_after(10):
+        async with serving(nursery, engine) as (client, _):
+            async with client.stream("POST", "/generate", json={"text": "a", "stream": True}):
+                await engine.wait_for(lambda: len(engine.running) == 1)
+                r = await client.get("/v1/loads")
+                assert r.json() == {
+                    "loads": [{"dp_rank": 0, "num_running_reqs": 1, "num_waiting_reqs": 0}]
+                }
+            engine.load = (3, 7)
+            (rank,) = (await client.get("/get_load")).json()
+            assert (rank["num_reqs"], rank["num_waiting_reqs"]) == (10, 7)
+            engine.reports_load = False
+            assert (await client.get("/v1/loads")).status_code == 404
+            assert (await client.get("/get_load")).status_code == 404

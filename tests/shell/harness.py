@@ -125,6 +125,13 @@ def settings_for(ports: list[int], **gateway: Any) -> Settings:
     return Settings(gateway=g, models=models)
 
 
+def least_loaded(s: Settings) -> None:
+    """A ``settings_hook``: the models route by load alone (``routing = "least_loaded"``), for
+    tests of spreading identical prompts, which the default routing keeps on one replica."""
+    for m in s.models.values():
+        m.routing = "least_loaded"
+
+
 @contextlib.asynccontextmanager
 async def running_gateway(
     engines: list[FakeEngine] | FakeEngine | None = None,
@@ -142,6 +149,24 @@ async def running_gateway(
         settings = settings_for(ports, **gateway)
         if settings_hook is not None:
             settings_hook(settings)
+        async with _serving(settings, engines, wait_ready) as gw:
+            yield gw
+        nursery.cancel_scope.cancel()
+
+
+@contextlib.asynccontextmanager
+async def another_gateway(gw: Gateway) -> AsyncIterator[Gateway]:
+    """A second gateway on ``gw``'s engines and configuration, sharing nothing else with it (as
+    another process or host would)."""
+    async with _serving(gw.state.settings, gw.engines, True) as other:
+        yield other
+
+
+@contextlib.asynccontextmanager
+async def _serving(
+    settings: Settings, engines: list[FakeEngine], wait_ready: bool
+) -> AsyncIterator[Gateway]:
+    async with trio.open_nursery() as nursery:
         app = build_app(settings)
         stop = trio.Event()
         binds = await nursery.start(partial(serve, settings, shutdown_trigger=stop, app=app))

@@ -24,7 +24,7 @@ from engine.fake import Call, DefaultScript, FakeEngine, Fault, Plan
 from sieproxy.pool import Replica
 from sieproxy.settings import Settings
 
-from .harness import MODEL, Gateway, running_gateway
+from .harness import MODEL, Gateway, least_loaded, running_gateway
 
 # ---------------------------------------------------------------------------- helpers
 
@@ -198,7 +198,7 @@ async def test_killed_replica_taken_out_and_restored() -> None:
 async def test_unhealthy_replica_out_of_rotation_and_back() -> None:
     with trio.fail_after(20):
         engines = [FakeEngine(), FakeEngine()]
-        async with running_gateway(engines) as gw:
+        async with running_gateway(engines, settings_hook=least_loaded) as gw:
             engines[0].healthy = False
             await wait_until(lambda: not up(gw, 0))
             ids = []

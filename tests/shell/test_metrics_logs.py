@@ -505,3 +505,50 @@ async def test_access_log_says_what_became_of_a_request_its_client_left(
             "invalid_request",
         )
         assert (by_id[done]["status"], by_id[done]["outcome"]) == (200, "complete")
+
+
+# ---------------------------------------------------------------------------- autoscaling
+
+
+async def test_autoscaling_series() -> None:
+    """Per model: waiting for admission, running candidates, ready and configured replicas,
+    the engines' own load, 503s for want of a replica (pending demand, also with no replica
+    at all) and fallbacks; all parse with prometheus_client."""
+    with trio.fail_after(30):
+        engines = [FakeEngine(script=script), FakeEngine(script=script)]
+        async with running_gateway(engines, replica_max_inflight=1, admission_wait=20) as gw:
+            async with trio.open_nursery() as nursery:
+
+                async def slow(i: int) -> None:
+                    await gw.chat(
+                        messages=[{"role": "user", "content": f"SLOWCLIENT {i}"}],
+                        max_tokens=200,
+                        stream=True,
+                    )
+
+                for i in range(3):  # two run (one per replica), one waits for admission
+                    nursery.start_soon(slow, i)
+                pool = gw.state.pools[MODEL]
+                with trio.fail_after(5):
+                    while pool.waiting != 1 or not all(r.engine_load == 1 for r in pool.replicas):
+                        await trio.sleep(0.01)
+                m, _ = await scrape(gw)
+                nursery.cancel_scope.cancel()
+            assert total(m, "sieproxy_admission_waiting_requests", model=MODEL) == 1
+            assert total(m, "sieproxy_running_candidates", model=MODEL) == 2
+            assert total(m, "sieproxy_ready_replicas", model=MODEL) == 2
+            assert total(m, "sieproxy_replicas", model=MODEL) == 2
+            assert total(m, "sieproxy_replica_engine_load", model=MODEL) == 2
+            for e in engines:
+                e.healthy = False
+            with trio.fail_after(5):
+                while pool.any_ready():
+                    await trio.sleep(0.01)
+            assert (await gw.chat()).status_code == 503
+            gw.state.observer.fallback(MODEL, "no_ready_replica")
+            m, _ = await scrape(gw)
+            assert total(m, "sieproxy_ready_replicas", model=MODEL) == 0
+            unserved = "sieproxy_unserved_requests_total"
+            assert total(m, unserved, model=MODEL, cause="no_ready_replica") == 1
+            assert total(m, unserved, model=MODEL, cause="at_capacity") == 0
+            assert total(m, "sieproxy_fallbacks_total", model=MODEL, cause="no_ready_replica") == 1

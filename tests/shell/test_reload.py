@@ -47,8 +47,8 @@ async def test_engines_are_added_and_removed(tmp_path: Path) -> None:
             second = pool.replicas[1]
             await wait_until(lambda: second.ready)  # its health watcher started
             seen = set()
-            for _ in range(12):
-                r = await chat(gw)
+            for i in range(12):  # different prompts: different prefix keys
+                r = await chat(gw, messages=[{"role": "user", "content": f"question {i}"}])
                 assert r.status_code == 200, r.text
                 seen.update(served_by(gw, r.headers["x-request-id"]))
             assert seen == {0, 1}

@@ -18,7 +18,7 @@ import trio
 from engine.fake import Call, DefaultScript, FakeEngine, Fault, Plan
 from sieproxy.settings import Settings
 
-from .harness import Gateway, running_gateway, sse_events
+from .harness import MODEL, Gateway, another_gateway, least_loaded, running_gateway, sse_events
 from .test_health import (
     KillableEngine,
     Switch,
@@ -145,13 +145,83 @@ async def test_hot_key_spills_under_concurrency() -> None:
             assert max(counts.values()) <= math.ceil(1.25 * (12 / 3 + 1)), counts
 
 
+# ---------------------------------------------------------------------------- prefix affinity
+
+SYSTEM = {"role": "system", "content": "You are the support assistant of a router maker."}
+
+
+def conversation(cid: int, turns: int) -> list[dict[str, str]]:
+    """A conversation's history as its turn ``turns`` resends it (no routing key)."""
+    msgs = [SYSTEM, {"role": "user", "content": f"Conversation {cid}: my router blinks."}]
+    for t in range(turns):
+        msgs += [
+            {"role": "assistant", "content": f"Answer {t}."},
+            {"role": "user", "content": f"Follow-up {t} of {cid}."},
+        ]
+    return msgs
+
+
+async def test_a_conversation_sticks_to_one_replica_across_two_gateways() -> None:
+    """No key sent: the prompt's prefix picks the replica, the same from two gateways sharing
+    nothing; it moves when that replica is out and comes back when it returns."""
+    with trio.fail_after(30):
+        engines = [FakeEngine() for _ in range(4)]
+        async with running_gateway(engines) as gw, another_gateway(gw) as gw2:
+            homes = {}
+            for cid in range(8):
+                where = set()
+                for t in range(4):
+                    g = (gw, gw2)[t % 2]
+                    r = await chat(g, messages=conversation(cid, t))
+                    assert r.status_code == 200, r.text
+                    where.update(served_by(gw, r.headers["x-request-id"]))
+                assert len(where) == 1, f"conversation {cid} was split over {where}"
+                homes[cid] = where.pop()
+            assert len(set(homes.values())) >= 2, homes  # conversations spread
+
+            home = homes[0]
+            engines[home].healthy = False
+            await wait_until(lambda: not up(gw, home) and not up(gw2, home))
+            moved = set()
+            for t in range(4, 8):
+                r = await chat((gw, gw2)[t % 2], messages=conversation(0, t))
+                moved.update(served_by(gw, r.headers["x-request-id"]))
+            assert len(moved) == 1 and home not in moved  # one new home, the same for both
+            engines[home].healthy = True
+            await wait_until(lambda: up(gw, home) and up(gw2, home))
+            for g in (gw, gw2):
+                r = await chat(g, messages=conversation(0, 9))
+                assert served_by(gw, r.headers["x-request-id"]) == [home]
+
+
+async def test_a_replica_reporting_a_long_queue_gets_less_new_work() -> None:
+    """The engines' own load (/v1/loads) counts: another gateway's queue on a replica shows."""
+    with trio.fail_after(30):
+        engines = [FakeEngine() for _ in range(3)]
+        engines[0].load = (16, 40)  # busy with other gateways' work
+        async with running_gateway(engines) as gw:
+            pool = gw.state.pools[MODEL]
+            await wait_until(lambda: pool.replicas[0].engine_load == 56)
+            counts: Counter[int] = Counter()
+            for cid in range(12):  # distinct prefixes: affinity would spread them over all 3
+                r = await chat(gw, messages=conversation(100 + cid, 0))
+                counts.update(served_by(gw, r.headers["x-request-id"]))
+            assert counts[0] == 0 and sum(counts.values()) == 12, counts
+            engines[0].load = None  # the queue drained: its real (idle) count again
+            await wait_until(lambda: pool.replicas[0].engine_load == 0)
+            for cid in range(24):  # new prefixes: about a third rank replica 0 first
+                r = await chat(gw, messages=conversation(200 + cid, 0))
+                counts.update(served_by(gw, r.headers["x-request-id"]))
+            assert counts[0] > 0, counts
+
+
 # ---------------------------------------------------------------------------- least outstanding
 
 
 async def test_least_outstanding_spreads_concurrent_streams() -> None:
     with trio.fail_after(20):
         engines = [FakeEngine(script=SLOW) for _ in range(3)]
-        async with running_gateway(engines) as gw:
+        async with running_gateway(engines, settings_hook=least_loaded) as gw:
             resps = await concurrently(gw, 9, max_tokens=10)
             assert all(x.status_code == 200 for x in resps)
             assert all(sse_events(x.text)[-1] == "[DONE]" for x in resps)

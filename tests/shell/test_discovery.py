@@ -25,7 +25,7 @@ from sieproxy.discovery import NameGone
 from sieproxy.serve import build_app, reload_settings, serve
 from sieproxy.settings import EngineSpec, Settings
 
-from .harness import MODEL, TEMPLATE, Gateway, settings_for, sse_events
+from .harness import MODEL, TEMPLATE, Gateway, least_loaded, settings_for, sse_events
 from .test_health import chat, served_by, wait_until
 
 NAME = "fleet.test"
@@ -57,6 +57,7 @@ async def fleet(
         for e, host in zip(engines[1:], HOSTS[1:], strict=False):
             await nursery.start(partial(e.serve, host, port))
         settings = settings_for([port])
+        least_loaded(settings)  # identical test prompts spread over the replicas
         hook(settings, port)
         app = build_app(settings)
         stop = trio.Event()

@@ -169,7 +169,8 @@ def build_app(settings: Settings) -> Quart:
         nursery: trio.Nursery = app.nursery  # type: ignore[attr-defined]
         nursery.start_soon(sweep_stalls, state.active, settings.gateway.client_stall_timeout)
         nursery.start_soon(state.timer.run)
-        nursery.start_soon(state.pump.run)
+        if settings.gateway.fast_paths:
+            nursery.start_soon(state.pump.run)
         for name, pool in state.pools.items():
             nursery.start_soon(pool.run_health_checks, state.client)
             if not pool.gate_open:
@@ -237,7 +238,6 @@ async def serve(
         app = build_app(settings)
     state: GatewayState = app.extensions["sieproxy"]
     cfg = hypercorn_config(settings)
-    install_hypercorn_io()
     stop = shutdown_trigger if shutdown_trigger is not None else trio.Event()
 
     async def _trigger() -> None:
@@ -254,17 +254,21 @@ async def serve(
                 await trio.sleep(0.02)
         nursery.cancel_scope.cancel()
 
-    async with trio.open_nursery() as nursery:
-        e = settings.embedded_engine
-        if e.enabled:
-            argv = engine_argv(e.model, e.host, e.port, e.served_name, e.extra_args)
-            nursery.start_soon(lambda: supervise_child(argv, name="cpu-engine"))
-        if shutdown_trigger is None:
-            nursery.start_soon(_wait_signals, stop)
-            nursery.start_soon(_reload_on_sighup, state, config_path)
-        nursery.start_soon(_drain, nursery)
-        await hypercorn_serve(app, cfg, shutdown_trigger=_trigger, task_status=task_status)
-        nursery.cancel_scope.cancel()
+    uninstall = install_hypercorn_io(fast=settings.gateway.fast_paths)  # at start, not import
+    try:
+        async with trio.open_nursery() as nursery:
+            e = settings.embedded_engine
+            if e.enabled:
+                argv = engine_argv(e.model, e.host, e.port, e.served_name, e.extra_args)
+                nursery.start_soon(lambda: supervise_child(argv, name="cpu-engine"))
+            if shutdown_trigger is None:
+                nursery.start_soon(_wait_signals, stop)
+                nursery.start_soon(_reload_on_sighup, state, config_path)
+            nursery.start_soon(_drain, nursery)
+            await hypercorn_serve(app, cfg, shutdown_trigger=_trigger, task_status=task_status)
+            nursery.cancel_scope.cancel()
+    finally:
+        uninstall()
 
 
 def reload_settings(state: GatewayState, path: str | None) -> list[str]:

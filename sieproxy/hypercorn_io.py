@@ -1,4 +1,11 @@
-"""A cheaper socket write for Hypercorn's Trio worker (installed by both entry points).
+"""The server front: the one module that touches Hypercorn's, h11's, Trio's and Quart's
+private state (docs/DESIGN.md, "The server front").
+
+``install()``, at start, checks every private name and attribute relied on (``missing()``) and
+has Hypercorn's Trio worker serve its connections with ``TCPServer`` (the fixes and the fast
+paths below), ``PortableTCPServer`` (the fixes only: the ``fast_paths`` setting off), or, where
+something is missing, Hypercorn's own class (one log line names it). Nothing is patched at
+import. The rest of this docstring describes ``TCPServer``.
 
 Hypercorn's Trio ``TCPServer.protocol_send`` writes every piece of a response — each streamed
 chunk — under a ``trio.Lock``, inside a new shielded ``CancelScope``, through
@@ -77,14 +84,15 @@ checked and written out during the wait (``prepare_head``): at the send only the
 state is checked and h11 given the event, and a head made in an earlier second is made again
 (Hypercorn's ``date`` is of the second it is sent in).
 
-``TaskGroup`` replaces the task group Hypercorn gives each connection, for the queue between the
-connection and the app's task: a request's first two ASGI messages (a body in one piece and its
-end) go in without a scheduler round trip, and the app's ``receive`` returns a queued message at
-once (``Receive``; ``Receive.nowait`` tells a reader what is queued without waiting). Hypercorn's
-queue yields on every message in and out: three scheduler passes on the way from a small
-request's bytes to the app reading its body. Later messages still yield, so an app that answers
-without reading a large upload runs before the queue fills (once it has answered, Hypercorn
-drops the rest; a full queue would block its ``http.disconnect`` for ever).
+``_spawn_app`` replaces the ``spawn_app`` of the task group Hypercorn gives each connection
+(on that task group only), for the queue between the connection and the app's task: a request's
+first two ASGI messages (a body in one piece and its end) go in without a scheduler round trip,
+and the app's ``receive`` returns a queued message at once (``Receive``; ``Receive.nowait``
+tells a reader what is queued without waiting). Hypercorn's queue yields on every message in
+and out: three scheduler passes on the way from a small request's bytes to the app reading its
+body. Later messages still yield, so an app that answers without reading a large upload runs
+before the queue fills (once it has answered, Hypercorn drops the rest; a full queue would
+block its ``http.disconnect`` for ever).
 
 The connection's read loop on plain TCP (no read timeout is configured: ``sieproxy.serve``)
 reads the descriptor directly (``_read_plain``), as the upstream client does: Hypercorn's read
@@ -113,17 +121,17 @@ wording quotes the client's bytes). Hypercorn calls it only while it handles h11
 ``sieproxy.http``, and kept on the connection (``refusal()``) for a request whose app task is
 already running (a bad chunk in its body): the app records that status, not a client that left.
 
-``install()`` makes Hypercorn's Trio worker create these connections and task groups. It relies
-on attributes of Hypercorn's ``TCPServer`` (``stream``, ``send_lock``, ``protocol``,
-``idle_task``, ``_read_data``, ``_initiate_server_close``), of its task group (``_nursery``,
-the module's ``_handle``), of its HTTP/1.1 protocol (``connection``, ``stream``, ``config``,
-``client``, ``keep_alive_requests``, ``_send_error_response``, ``_send_h11_event``), of its
-HTTP stream (``state``, ``response``, ``closed``) and of h11's connection (``our_state``,
-``their_http_version``, ``_cstate``, ``_request_method``, ``_process_event``, ``_writer``, the
-header patterns, the wording of its ``RemoteProtocolError`` messages), and on the modules
-``hypercorn.trio.run`` and ``hypercorn.trio.tcp_server`` looking the classes up when they serve;
-pyproject.toml bounds Hypercorn and h11 below their next minor versions, and
-tests/shell/test_hypercorn_io.py checks the behaviour on the installed ones.
+What this relies on, of Hypercorn's ``TCPServer`` (``stream``, ``send_lock``, ``protocol``,
+``idle_task``, ``_task_group``, ``_read_data``, ``_initiate_server_close``), its task group
+(``_nursery``, ``spawn_app``, the module's ``_handle``), its HTTP/1.1 protocol (``connection``,
+``stream``, ``config``, ``client``, ``keep_alive_requests``, ``_send_error_response``,
+``_send_h11_event``), its HTTP stream (``state``, ``response``, ``closed``), of h11's connection
+(``our_state``, ``their_http_version``, ``_cstate``, ``_request_method``, ``_process_event``,
+``_writer``), h11's header patterns and ``_parsed``, Trio's per-task yield counter and
+Quart-Trio's request body (``body_consumed``) is listed in ``_RELIED_ON`` and ``_PRIVATE`` and
+checked by ``missing()``; the wording of h11's ``RemoteProtocolError`` messages cannot be (a
+changed one gets the generic sentence). pyproject.toml bounds Hypercorn and h11 below their next
+minor versions, and tests/shell/test_hypercorn_io.py checks the behaviour on the installed ones.
 """
 
 from __future__ import annotations

@@ -117,3 +117,24 @@ async def test_serving_puts_the_workers_class_back() -> None:
     async with running_gateway(_engine(), fast_paths=True):
         assert hypercorn_run.TCPServer is TCPServer  # type: ignore[attr-defined]
     assert hypercorn_run.TCPServer is before  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("fast", [True, False])
+async def test_the_apps_queue_is_the_gateways_only_with_the_fast_paths(
+    monkeypatch: pytest.MonkeyPatch, fast: bool
+) -> None:
+    """The queue between a connection and its app (``_spawn_app``, set on each connection's own
+    task group, not on Hypercorn's module): the route reads a queued body through
+    ``Receive.nowait`` with the fast paths on, and Hypercorn's own queue with them off."""
+    reads: list[int] = []
+    nowait = hypercorn_io.Receive.nowait
+
+    def counting(self: hypercorn_io.Receive) -> Any:
+        reads.append(1)
+        return nowait(self)
+
+    monkeypatch.setattr(hypercorn_io.Receive, "nowait", counting)
+    async with running_gateway(_engine(), fast_paths=fast) as gw:
+        r = await gw.chat(max_tokens=2)
+        assert r.status_code == 200
+    assert bool(reads) is fast

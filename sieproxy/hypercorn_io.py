@@ -136,7 +136,6 @@ minor versions, and tests/shell/test_hypercorn_io.py checks the behaviour on the
 
 from __future__ import annotations
 
-import dis
 import importlib
 import logging
 import math
@@ -881,57 +880,51 @@ def body_consumed(req: Request) -> bool:
     return complete is None or bool(complete.is_set() and not getattr(body, "_data", b""))
 
 
-def _names(cls: type) -> set[str]:
-    """The attributes of ``cls``, and those that its code (and its bases') sets on its
-    instances (``self.x = ...`` anywhere in its methods)."""
-    found = set(dir(cls))
+def _named(cls: type) -> set[str]:
+    """The names the code of ``cls`` (and of its bases) uses: an attribute its instances get in
+    ``__init__`` or later is among them."""
+    found: set[str] = set()
     for klass in cls.__mro__:
         for value in vars(klass).values():
             code = getattr(value, "__code__", None)
             if code is not None:
-                found.update(
-                    i.argval for i in dis.get_instructions(code) if i.opname == "STORE_ATTR"
-                )
+                found.update(code.co_names)
     return found
 
 
-#: Every attribute of another library's class this module relies on (read, written, replaced
-#: or called), checked by ``missing()``.
-_RELIED_ON: tuple[tuple[type, tuple[str, ...]], ...] = (
+#: What this module relies on of other libraries' classes, checked by ``missing()``: the class
+#: attributes (methods, properties, constants: ``hasattr``) and the instance attributes (named
+#: by the class's own code), read, written, replaced or called here.
+_RELIED_ON: tuple[tuple[type, tuple[str, ...], tuple[str, ...]], ...] = (
     (
         HypercornTCPServer,
-        (
-            "_initiate_server_close", "_read_data", "_task_group", "config", "context",
-            "idle_task", "protocol", "protocol_send", "run", "send_lock", "stream",
-        ),
+        ("_initiate_server_close", "_read_data", "protocol_send", "run"),
+        ("_task_group", "config", "context", "idle_task", "protocol", "send_lock", "stream"),
     ),
-    (HypercornTaskGroup, ("_nursery", "spawn_app")),
+    (HypercornTaskGroup, ("spawn_app",), ("_nursery",)),
     (
         H11Protocol,
-        (
-            "_send_error_response", "_send_h11_event", "client", "config", "connection",
-            "keep_alive_requests", "stream",
-        ),
+        ("_send_error_response", "_send_h11_event"),
+        ("client", "config", "connection", "keep_alive_requests", "stream"),
     ),
-    (HTTPStream, ("closed", "response", "state")),
-    (ASGIHTTPState, ("REQUEST", "RESPONSE")),
-    (WorkerContext, ("terminated",)),
+    (HTTPStream, (), ("closed", "response", "state")),
+    (ASGIHTTPState, ("REQUEST", "RESPONSE"), ()),
+    (WorkerContext, (), ("terminated",)),
     (
         HypercornConfig,
         (
             "h11_max_incomplete_size", "keep_alive_max_requests", "keep_alive_timeout",
             "max_app_queue_size", "read_timeout", "response_headers",
         ),
+        (),
     ),
     (
         h11.Connection,
-        (
-            "_cstate", "_process_event", "_request_method", "_writer", "our_state",
-            "their_http_version",
-        ),
+        ("_process_event", "our_state"),
+        ("_cstate", "_request_method", "_writer", "their_http_version"),
     ),
-    (trio.lowlevel.Task, ("_schedule_points",)),
-    (TrioBody, ("_complete", "_data")),
+    (trio.lowlevel.Task, ("_schedule_points",), ()),
+    (TrioBody, (), ("_complete", "_data")),
 )
 
 
@@ -941,9 +934,11 @@ def missing() -> list[str]:
     ``_parsed`` shortcut and its connection state's ``keep_alive``, and the module global
     ``install()`` sets. Empty when everything is there."""
     gaps = [name for name in _PRIVATE if _private(*name.rsplit(".", 1)) is None]
-    for cls, names in _RELIED_ON:
-        have = _names(cls)
-        gaps += [f"{cls.__module__}.{cls.__qualname__}.{n}" for n in names if n not in have]
+    for cls, on_class, on_instances in _RELIED_ON:
+        where = f"{cls.__module__}.{cls.__qualname__}"
+        gaps += [f"{where}.{n}" for n in on_class if not hasattr(cls, n)]
+        named = _named(cls) if on_instances else set()
+        gaps += [f"{where}.{n}" for n in on_instances if n not in named]
     try:
         h11.Response(status_code=200, headers=[], _parsed=True)
     except TypeError:

@@ -59,6 +59,12 @@ def _no_chunk_writer(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return made
 
 
+def test_the_installed_libraries_have_everything_the_front_relies_on() -> None:
+    """On the versions pyproject.toml allows, nothing is missing: an upgrade that drops a name
+    fails here, not only as a log line and slower serving."""
+    assert hypercorn_io.missing() == []
+
+
 @pytest.mark.parametrize(
     ("simulate", "named"),
     [

@@ -36,7 +36,7 @@ from urllib.parse import urlparse
 
 import msgspec
 import trio
-from quart import Quart, Request, Response, request
+from quart import Quart, Response, request
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
@@ -56,7 +56,14 @@ from .core.profile import ModelProfile
 from .discovery import EngineSources
 from .engine_client import EngineClient
 from .fallback import Fallbacks, cause_of
-from .hypercorn_io import body_writer, prepare_head, refusal, send_together, watch_disconnect
+from .hypercorn_io import (
+    body_consumed,
+    body_writer,
+    prepare_head,
+    refusal,
+    send_together,
+    watch_disconnect,
+)
 from .observe import Observer
 from .pool import ModelPool, RouteHints
 from .pump import Pump
@@ -463,12 +470,6 @@ def _request_id(given: str | None) -> str:
     return os.urandom(16).hex()
 
 
-def _body_consumed(req: Request) -> bool:
-    body = req.body
-    complete = getattr(body, "_complete", None)
-    return complete is None or bool(complete.is_set() and not getattr(body, "_data", b""))
-
-
 def create_app(state: GatewayState) -> Quart:
     """Build the Quart-Trio app around a ready :class:`GatewayState`."""
     app = GatewayApp("sieproxy")
@@ -489,7 +490,7 @@ def create_app(state: GatewayState) -> Quart:
         rid = getattr(request, "sie_request_id", None)
         if rid and "X-Request-Id" not in resp.headers:
             resp.headers["X-Request-Id"] = rid
-        if resp.status_code >= 400 and not _body_consumed(request):
+        if resp.status_code >= 400 and not body_consumed(request):
             # Refused before the upload was read (401, 413, bad content type): the unread body
             # would wedge a kept-alive connection, so this answer closes it.
             resp.headers["Connection"] = "close"

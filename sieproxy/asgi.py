@@ -5,6 +5,7 @@ checks, client); the gateway keeps no shared state, so workers scale out behind 
 """
 
 import logging
+from collections.abc import Callable
 
 from .hypercorn_io import install as install_hypercorn_io
 from .serve import build_app, tune_gc
@@ -20,4 +21,17 @@ logging.basicConfig(
 logging.getLogger("httpx").setLevel(logging.WARNING)
 app = build_app(_settings)
 tune_gc()
-install_hypercorn_io()  # before Hypercorn's worker accepts its first connection
+_uninstall: list[Callable[[], None]] = []
+
+
+@app.before_serving
+async def _install_front() -> None:
+    """At the app's start, not at import: Hypercorn's worker picks its connection class after
+    the app has started and before it accepts the first connection."""
+    _uninstall.append(install_hypercorn_io(fast=_settings.gateway.fast_paths))
+
+
+@app.after_serving
+async def _uninstall_front() -> None:
+    while _uninstall:
+        _uninstall.pop()()

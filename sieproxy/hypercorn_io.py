@@ -1,4 +1,11 @@
-"""A cheaper socket write for Hypercorn's Trio worker (installed by both entry points).
+"""The server front: the one module that touches Hypercorn's, h11's, Trio's and Quart's
+private state (docs/DESIGN.md, "The server front").
+
+``install()``, at start, checks every private name and attribute relied on (``missing()``) and
+has Hypercorn's Trio worker serve its connections with ``TCPServer`` (the fixes and the fast
+paths below), ``PortableTCPServer`` (the fixes only: the ``fast_paths`` setting off), or, where
+something is missing, Hypercorn's own class (one log line names it). Nothing is patched at
+import. The rest of this docstring describes ``TCPServer``.
 
 Hypercorn's Trio ``TCPServer.protocol_send`` writes every piece of a response — each streamed
 chunk — under a ``trio.Lock``, inside a new shielded ``CancelScope``, through
@@ -77,14 +84,15 @@ checked and written out during the wait (``prepare_head``): at the send only the
 state is checked and h11 given the event, and a head made in an earlier second is made again
 (Hypercorn's ``date`` is of the second it is sent in).
 
-``TaskGroup`` replaces the task group Hypercorn gives each connection, for the queue between the
-connection and the app's task: a request's first two ASGI messages (a body in one piece and its
-end) go in without a scheduler round trip, and the app's ``receive`` returns a queued message at
-once (``Receive``; ``Receive.nowait`` tells a reader what is queued without waiting). Hypercorn's
-queue yields on every message in and out: three scheduler passes on the way from a small
-request's bytes to the app reading its body. Later messages still yield, so an app that answers
-without reading a large upload runs before the queue fills (once it has answered, Hypercorn
-drops the rest; a full queue would block its ``http.disconnect`` for ever).
+``_spawn_app`` replaces the ``spawn_app`` of the task group Hypercorn gives each connection
+(on that task group only), for the queue between the connection and the app's task: a request's
+first two ASGI messages (a body in one piece and its end) go in without a scheduler round trip,
+and the app's ``receive`` returns a queued message at once (``Receive``; ``Receive.nowait``
+tells a reader what is queued without waiting). Hypercorn's queue yields on every message in
+and out: three scheduler passes on the way from a small request's bytes to the app reading its
+body. Later messages still yield, so an app that answers without reading a large upload runs
+before the queue fills (once it has answered, Hypercorn drops the rest; a full queue would
+block its ``http.disconnect`` for ever).
 
 The connection's read loop on plain TCP (no read timeout is configured: ``sieproxy.serve``)
 reads the descriptor directly (``_read_plain``), as the upstream client does: Hypercorn's read
@@ -113,21 +121,22 @@ wording quotes the client's bytes). Hypercorn calls it only while it handles h11
 ``sieproxy.http``, and kept on the connection (``refusal()``) for a request whose app task is
 already running (a bad chunk in its body): the app records that status, not a client that left.
 
-``install()`` makes Hypercorn's Trio worker create these connections and task groups. It relies
-on attributes of Hypercorn's ``TCPServer`` (``stream``, ``send_lock``, ``protocol``,
-``idle_task``, ``_read_data``, ``_initiate_server_close``), of its task group (``_nursery``,
-the module's ``_handle``), of its HTTP/1.1 protocol (``connection``, ``stream``, ``config``,
-``client``, ``keep_alive_requests``, ``_send_error_response``, ``_send_h11_event``), of its
-HTTP stream (``state``, ``response``, ``closed``) and of h11's connection (``our_state``,
-``their_http_version``, ``_cstate``, ``_request_method``, ``_process_event``, ``_writer``, the
-header patterns, the wording of its ``RemoteProtocolError`` messages), and on the modules
-``hypercorn.trio.run`` and ``hypercorn.trio.tcp_server`` looking the classes up when they serve;
-pyproject.toml bounds Hypercorn and h11 below their next minor versions, and
-tests/shell/test_hypercorn_io.py checks the behaviour on the installed ones.
+What this relies on, of Hypercorn's ``TCPServer`` (``stream``, ``send_lock``, ``protocol``,
+``idle_task``, ``_task_group``, ``_read_data``, ``_initiate_server_close``), its task group
+(``_nursery``, ``spawn_app``, the module's ``_handle``), its HTTP/1.1 protocol (``connection``,
+``stream``, ``config``, ``client``, ``keep_alive_requests``, ``_send_error_response``,
+``_send_h11_event``), its HTTP stream (``state``, ``response``, ``closed``), of h11's connection
+(``our_state``, ``their_http_version``, ``_cstate``, ``_request_method``, ``_process_event``,
+``_writer``), h11's header patterns and ``_parsed``, Trio's per-task yield counter and
+Quart-Trio's request body (``body_consumed``) is listed in ``_RELIED_ON`` and ``_PRIVATE`` and
+checked by ``missing()``; the wording of h11's ``RemoteProtocolError`` messages cannot be (a
+changed one gets the generic sentence). pyproject.toml bounds Hypercorn and h11 below their next
+minor versions, and tests/shell/test_hypercorn_io.py checks the behaviour on the installed ones.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 import os
@@ -141,17 +150,17 @@ from typing import Any
 import h11
 import msgspec
 import trio
-from h11._headers import _field_name_re as _FIELD_NAME
-from h11._headers import _field_value_re as _FIELD_VALUE
-from h11._writers import ChunkedWriter
+from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, Event, RawData
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio import tcp_server as hypercorn_tcp_server
 from hypercorn.trio.task_group import TaskGroup as HypercornTaskGroup
-from hypercorn.trio.task_group import _handle as hypercorn_handle
 from hypercorn.trio.tcp_server import TCPServer as HypercornTCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from quart import Request
+from quart_trio.wrappers.request import TrioBody
 
 from .channels import put, take
 from .core.errors import InvalidRequest
@@ -159,12 +168,14 @@ from .core.errors import InvalidRequest
 __all__ = [
     "BodyWrite",
     "ChunkWriter",
+    "PortableTCPServer",
     "Receive",
     "TCPServer",
-    "TaskGroup",
+    "body_consumed",
     "body_writer",
     "chunk_writer",
     "install",
+    "missing",
     "refusal",
     "send_together",
     "watch_disconnect",
@@ -177,9 +188,37 @@ _SERVING: ContextVar[TCPServer | None] = ContextVar("sieproxy_connection", defau
 log = logging.getLogger("sieproxy.http")
 
 
+def _private(module: str, name: str) -> Any:
+    """``module.name``, a private name of another library; ``None`` where the installed version
+    lacks it (``missing()`` reports it, and ``install()`` then leaves Hypercorn stock)."""
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+
+
+#: The private module-level names read here, by where they live (``None``: absent).
+_PRIVATE: dict[str, Any] = {
+    f"{m}.{n}": _private(m, n)
+    for m, n in (
+        ("h11._headers", "_field_name_re"),
+        ("h11._headers", "_field_value_re"),
+        ("h11._writers", "ChunkedWriter"),
+        ("hypercorn.trio.task_group", "_handle"),
+    )
+}
+_FIELD_NAME: Any = _PRIVATE["h11._headers._field_name_re"]
+_FIELD_VALUE: Any = _PRIVATE["h11._headers._field_value_re"]
+_CHUNKED_WRITER: Any = _PRIVATE["h11._writers.ChunkedWriter"]
+_HANDLE: Any = _PRIVATE["hypercorn.trio.task_group._handle"]
+
+
 class TCPServer(HypercornTCPServer):
     """Hypercorn's Trio connection with the direct write and the keep-alive watch described in
     the module docstring."""
+
+    #: Whether this connection takes the fast paths (``PortableTCPServer`` does not).
+    fast = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -198,9 +237,12 @@ class TCPServer(HypercornTCPServer):
             # A request h11 refuses is answered with the envelope (the module docstring).
             answer = partial(_refuse, self, proto)
             proto._send_error_response = answer  # type: ignore[method-assign]
+        if self.fast:  # the app's queue without a round trip per message (the docstring)
+            group = self._task_group  # made by Hypercorn's ``run``; no request has come yet
+            group.spawn_app = partial(_spawn_app, group)  # type: ignore[method-assign]
         try:
             stream: trio.abc.Stream = self.stream  # typed SSLStream by Hypercorn
-            if type(stream) is trio.SocketStream and not self.config.read_timeout:
+            if self.fast and type(stream) is trio.SocketStream and not self.config.read_timeout:
                 await self._read_plain(stream.socket)
             else:
                 await super()._read_data()
@@ -313,6 +355,20 @@ class TCPServer(HypercornTCPServer):
         shields its own, so that even a cancelled response is not cut inside a frame."""
         with trio.CancelScope(shield=True):
             await super().protocol_send(RawData(data=data))
+
+
+class PortableTCPServer(TCPServer):
+    """The connection with its fixes (the keep-alive watch, the shielded close, the refusals'
+    envelope) and none of the fast paths: Hypercorn reads, writes and frames every byte, as
+    over TLS (``install(fast=False)``: the ``fast_paths`` setting)."""
+
+    fast = False
+
+    def write_nowait(self, data: bytes) -> int:
+        return 0  # every write goes Hypercorn's way
+
+    def can_hold(self) -> bool:
+        return False
 
 
 #: Why h11 refused a request (how its message starts), as the sentence the client reads.
@@ -622,7 +678,7 @@ def prepare_head(message: dict[str, Any]) -> Head | None:
     it is Hypercorn's, of the second it is sent in (a head kept past that second is made
     again)."""
     server = _SERVING.get()
-    if server is None or type(server.protocol.protocol) is not H11Protocol:
+    if server is None or not server.fast or type(server.protocol.protocol) is not H11Protocol:
         return None
     return _make_head(server.protocol.protocol, message)
 
@@ -704,7 +760,7 @@ def chunk_writer() -> ChunkWriter | None:
     straight to the connection, or ``None`` where the body is not chunked or the connection is
     not one of ours (see the module docstring). The body's end still goes through ASGI."""
     server = _SERVING.get()
-    if server is None:
+    if server is None or not server.fast:
         return None
     proto = server.protocol.protocol  # set before the connection spawns any app task
     if type(proto) is not H11Protocol:
@@ -713,7 +769,7 @@ def chunk_writer() -> ChunkWriter | None:
     if (
         type(conn) is not h11.Connection
         or conn.our_state is not h11.SEND_BODY
-        or type(getattr(conn, "_writer", None)) is not ChunkedWriter
+        or type(getattr(conn, "_writer", None)) is not _CHUNKED_WRITER
     ):
         return None
     stream = proto.stream
@@ -746,30 +802,28 @@ async def watch_disconnect(receive: Callable[[], Awaitable[Any]], scope: trio.Ca
     scope.cancel()
 
 
-class TaskGroup(HypercornTaskGroup):
-    """A connection's task group (Hypercorn's) whose ASGI message queue hands a message over
-    without a scheduler round trip when it can (see the module docstring)."""
-
-    async def spawn_app(
-        self,
-        app: Any,
-        config: Any,
-        scope: Any,
-        send: Callable[[Any], Awaitable[None]],
-    ) -> Callable[[Any], Awaitable[None]]:
-        to_app, from_server = trio.open_memory_channel[Any](config.max_app_queue_size)
-        assert self._nursery is not None
-        self._nursery.start_soon(
-            hypercorn_handle,
-            app,
-            config,
-            scope,
-            Receive(from_server),
-            send,
-            trio.to_thread.run_sync,
-            trio.from_thread.run,
-        )
-        return _putter(to_app)
+async def _spawn_app(
+    group: HypercornTaskGroup,
+    app: Any,
+    config: Any,
+    scope: Any,
+    send: Callable[[Any], Awaitable[None]],
+) -> Callable[[Any], Awaitable[None]]:
+    """Hypercorn's ``TaskGroup.spawn_app`` for one connection's task group, with a queue that
+    hands a message over without a scheduler round trip when it can (the module docstring)."""
+    to_app, from_server = trio.open_memory_channel[Any](config.max_app_queue_size)
+    assert group._nursery is not None
+    group._nursery.start_soon(
+        _HANDLE,
+        app,
+        config,
+        scope,
+        Receive(from_server),
+        send,
+        trio.to_thread.run_sync,
+        trio.from_thread.run,
+    )
+    return _putter(to_app)
 
 
 #: How many of a request's first ASGI messages go into the app's queue without a scheduler
@@ -817,8 +871,114 @@ class Receive:
             return None
 
 
-def install() -> None:
-    """Serve every connection Hypercorn's Trio worker accepts in this process with
-    ``TCPServer`` and ``TaskGroup`` (idempotent)."""
-    hypercorn_run.TCPServer = TCPServer  # type: ignore[attr-defined]
-    hypercorn_tcp_server.TaskGroup = TaskGroup  # type: ignore[attr-defined]
+def body_consumed(req: Request) -> bool:
+    """Whether Quart has read the whole of ``req``'s body (a refusal that leaves part of it
+    unread must close the connection). Read from Quart-Trio's private ``_complete`` and
+    ``_data``; where a version lacks them, ``True`` (Quart's own behaviour: no close)."""
+    body = req.body
+    complete = getattr(body, "_complete", None)
+    return complete is None or bool(complete.is_set() and not getattr(body, "_data", b""))
+
+
+def _named(cls: type) -> set[str]:
+    """The names the code of ``cls`` (and of its bases) uses: an attribute its instances get in
+    ``__init__`` or later is among them."""
+    found: set[str] = set()
+    for klass in cls.__mro__:
+        for value in vars(klass).values():
+            code = getattr(value, "__code__", None)
+            if code is not None:
+                found.update(code.co_names)
+    return found
+
+
+#: What this module relies on of other libraries' classes, checked by ``missing()``: the class
+#: attributes (methods, properties, constants: ``hasattr``) and the instance attributes (named
+#: by the class's own code), read, written, replaced or called here.
+_RELIED_ON: tuple[tuple[type, tuple[str, ...], tuple[str, ...]], ...] = (
+    (
+        HypercornTCPServer,
+        ("_initiate_server_close", "_read_data", "protocol_send", "run"),
+        ("_task_group", "config", "context", "idle_task", "protocol", "send_lock", "stream"),
+    ),
+    (HypercornTaskGroup, ("spawn_app",), ("_nursery",)),
+    (
+        H11Protocol,
+        ("_send_error_response", "_send_h11_event"),
+        ("client", "config", "connection", "keep_alive_requests", "stream"),
+    ),
+    (HTTPStream, (), ("closed", "response", "state")),
+    (ASGIHTTPState, ("REQUEST", "RESPONSE"), ()),
+    (WorkerContext, (), ("terminated",)),
+    (
+        HypercornConfig,
+        (
+            "h11_max_incomplete_size", "keep_alive_max_requests", "keep_alive_timeout",
+            "max_app_queue_size", "read_timeout", "response_headers",
+        ),
+        (),
+    ),
+    (
+        h11.Connection,
+        ("_process_event", "our_state"),
+        ("_cstate", "_request_method", "_writer", "their_http_version"),
+    ),
+    (trio.lowlevel.Task, ("_schedule_points",), ()),
+    (TrioBody, (), ("_complete", "_data")),
+)
+
+
+def missing() -> list[str]:
+    """What this module relies on that the installed Hypercorn, h11, Trio or Quart lacks: the
+    private module-level names, the attributes of their classes (``_RELIED_ON``), h11's
+    ``_parsed`` shortcut and its connection state's ``keep_alive``, and the module global
+    ``install()`` sets. Empty when everything is there."""
+    gaps = [name for name in _PRIVATE if _private(*name.rsplit(".", 1)) is None]
+    for cls, on_class, on_instances in _RELIED_ON:
+        where = f"{cls.__module__}.{cls.__qualname__}"
+        gaps += [f"{where}.{n}" for n in on_class if not hasattr(cls, n)]
+        named = _named(cls) if on_instances else set()
+        gaps += [f"{where}.{n}" for n in on_instances if n not in named]
+    try:
+        h11.Response(status_code=200, headers=[], _parsed=True)
+    except TypeError:
+        gaps.append("h11.Response(_parsed=...)")
+    state = getattr(h11.Connection(h11.SERVER), "_cstate", None)
+    if state is not None and not hasattr(state, "keep_alive"):
+        gaps.append("h11._state.ConnectionState.keep_alive")
+    if not hasattr(hypercorn_run, "TCPServer"):
+        gaps.append("hypercorn.trio.run.TCPServer")
+    return gaps
+
+
+def install(fast: bool = True) -> Callable[[], None]:
+    """At start, before Hypercorn's Trio worker in this process accepts a connection: check
+    ``missing()`` and have the worker serve its connections with ``TCPServer`` (``fast``),
+    ``PortableTCPServer`` (not ``fast``), or Hypercorn's own class where something is missing.
+    The two last are logged in one line. Returns what puts back the class that was there (if
+    it is still this one's choice); the worker reads it once, when it starts serving."""
+    gaps = missing()
+    chosen: type[HypercornTCPServer]
+    if gaps:
+        chosen = HypercornTCPServer
+        log.warning(
+            "server front: stock Hypercorn and Quart (no fast paths, none of the gateway's "
+            "connection fixes): the installed versions lack %s",
+            ", ".join(gaps),
+        )
+    elif not fast:
+        chosen = PortableTCPServer
+        log.info(
+            "server front: fast paths off (fast_paths = false or SIEPROXY_FAST_PATHS=0): "
+            "Hypercorn reads, writes and frames every byte; no relay pump"
+        )
+    else:
+        chosen = TCPServer
+    before = getattr(hypercorn_run, "TCPServer", None)
+    hypercorn_run.TCPServer = chosen  # type: ignore[attr-defined]
+
+    def undo() -> None:
+        if getattr(hypercorn_run, "TCPServer", None) is chosen:
+            hypercorn_run.TCPServer = before  # type: ignore[attr-defined,assignment]
+
+    return undo

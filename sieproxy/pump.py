@@ -27,7 +27,9 @@ The default, 16, was chosen by measurement (docs/DESIGN.md, "The relay pump"): a
 a batch of 64 starved the starts of new requests (a time to first token of 200–530 ms and a
 quarter to a third fewer requests served), 16 and 8 did not, and 16 relayed the most chunks.
 
-Only plain-TCP engine connections ride (a TLS stream cannot be read by descriptor readiness);
+Where there is no ``epoll`` (macOS, the BSDs) ``run`` logs one line and returns, and with the
+gateway's ``fast_paths`` off it is not started: nothing parks, and every stream waits the usual
+way. Only plain-TCP engine connections ride (a TLS stream cannot be read by descriptor readiness);
 a response task that cannot park waits the usual way. When the pump task is not running (an
 app built without ``serve.build_app``'s background tasks), nothing parks.
 """
@@ -87,6 +89,9 @@ class Pump:
         return len(self._parked)
 
     async def run(self) -> None:
+        if not hasattr(select, "epoll"):  # macOS, the BSDs: every stream waits the usual way
+            log.info("relay pump: off (no epoll on this platform); streams relay from their tasks")
+            return
         ep = select.epoll()
         self._ep = ep
         self.running = True

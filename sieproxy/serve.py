@@ -192,7 +192,8 @@ def build_app(settings: Settings) -> Quart:
         nursery: trio.Nursery = app.nursery  # type: ignore[attr-defined]
         nursery.start_soon(sweep_stalls, state.active, settings.gateway.client_stall_timeout)
         nursery.start_soon(state.timer.run)
-        nursery.start_soon(state.pump.run)
+        if settings.gateway.fast_paths:
+            nursery.start_soon(state.pump.run)
         for name, pool in state.pools.items():
             nursery.start_soon(pool.run_health_checks, state.client)
             nursery.start_soon(state.sources[name].run, pool)  # DNS names, engines file
@@ -293,7 +294,6 @@ async def serve(
     web: Quart = app
     state: GatewayState = app.extensions["sieproxy"]
     cfg = hypercorn_config(settings)
-    install_hypercorn_io()
     stop = shutdown_trigger if shutdown_trigger is not None else trio.Event()
     forced: list[bool] = []
 
@@ -323,37 +323,44 @@ async def serve(
             await _stop_requests(state, nursery.cancel_scope, g.abort_timeout + 1)
         nursery.cancel_scope.cancel()
 
-    # The engine child lives in the outer nursery: it is stopped only once the inner one (the
-    # HTTP server and every request in it, with their shielded upstream aborts) has finished.
-    # The signal handler lives there too, so no signal is left to Python until serve returns.
-    now = trio.CancelScope()  # the inner nursery's, for "stop now"
-    async with trio.open_nursery() as outer:
-        e = settings.embedded_engine
-        token = state.pools[e.served_name].launch_token if e.enabled else None
-        if e.enabled and token:
-            argv = engine_argv(e.model, e.host, e.port, e.served_name, e.engine_args(), kind=e.kind)
-            env = {**os.environ, LAUNCH_TOKEN_ENV: token}
-            outer.start_soon(partial(supervise_child, argv, name=f"{e.kind}-engine", env=env))
-        if shutdown_trigger is None:
-            outer.start_soon(_on_signals, stop, state, now, forced)
-            if os.environ.get(EXIT_WITH_PARENT_ENV, "").strip() in ("1", "true", "yes"):
-                outer.start_soon(_watch_parent, stop, os.getppid())
-        with now:
-            async with trio.open_nursery() as nursery:
+    uninstall = install_hypercorn_io(fast=settings.gateway.fast_paths)  # at start, not import
+    try:
+        # The engine child lives in the outer nursery: it is stopped only once the inner one
+        # (the HTTP server and every request in it, with their shielded upstream aborts) has
+        # finished. The signal handler lives there too, so no signal is left to Python until
+        # serve returns.
+        now = trio.CancelScope()  # the inner nursery's, for "stop now"
+        async with trio.open_nursery() as outer:
+            e = settings.embedded_engine
+            token = state.pools[e.served_name].launch_token if e.enabled else None
+            if e.enabled and token:
+                argv = engine_argv(
+                    e.model, e.host, e.port, e.served_name, e.engine_args(), kind=e.kind
+                )
+                env = {**os.environ, LAUNCH_TOKEN_ENV: token}
+                outer.start_soon(partial(supervise_child, argv, name=f"{e.kind}-engine", env=env))
+            if shutdown_trigger is None:
+                outer.start_soon(_on_signals, stop, state, now, forced)
+                if os.environ.get(EXIT_WITH_PARENT_ENV, "").strip() in ("1", "true", "yes"):
+                    outer.start_soon(_watch_parent, stop, os.getppid())
+            with now:
+                async with trio.open_nursery() as nursery:
 
-                async def _http(task_status: trio.TaskStatus[list[str]]) -> None:
-                    await hypercorn_serve(
-                        web, cfg, shutdown_trigger=_trigger, task_status=task_status
-                    )
-                    nursery.cancel_scope.cancel()
+                    async def _http(task_status: trio.TaskStatus[list[str]]) -> None:
+                        await hypercorn_serve(
+                            web, cfg, shutdown_trigger=_trigger, task_status=task_status
+                        )
+                        nursery.cancel_scope.cancel()
 
-                if shutdown_trigger is None:
-                    nursery.start_soon(_reload_on_sighup, state, config_path)
-                nursery.start_soon(_drain, nursery)
-                binds: list[str] = await nursery.start(_http)
-                task_status.started(binds)
-                nursery.start_soon(_announce_ready, state, binds)
-        outer.cancel_scope.cancel()
+                    if shutdown_trigger is None:
+                        nursery.start_soon(_reload_on_sighup, state, config_path)
+                    nursery.start_soon(_drain, nursery)
+                    binds: list[str] = await nursery.start(_http)
+                    task_status.started(binds)
+                    nursery.start_soon(_announce_ready, state, binds)
+            outer.cancel_scope.cancel()
+    finally:
+        uninstall()
     return bool(forced)
 
 

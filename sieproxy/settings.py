@@ -12,6 +12,7 @@ Environment overrides (applied after the file):
 ``SIEPROXY_AUTH_TOKENS``            comma-separated bearer tokens; also turns auth on
 ``SIEPROXY_HOST`` / ``SIEPROXY_PORT``  listen address
 ``SIEPROXY_CONFIG``                 path of the TOML file when ``--config`` is not given
+``SIEPROXY_FAST_PATHS``             ``gateway.fast_paths`` (``0``/``false``/``off`` or ``1``/...)
 ==================================  ==========================================================
 """
 
@@ -116,6 +117,10 @@ class GatewaySettings(_Conf):
     max_image_bytes: int = 20 * MiB
     log_level: str = "info"
     access_log: bool = True
+    #: The server front's fast paths (direct socket reads and writes, the gateway's own chunk
+    #: framing and response heads, the relay pump); off: Hypercorn's own I/O, as on a platform
+    #: without epoll (docs/DESIGN.md, "The server front").
+    fast_paths: bool = True
 
 
 class EngineSpec(_Conf):
@@ -324,6 +329,25 @@ def _apply_env(s: Settings, where: str) -> None:
         s.gateway.host = env["SIEPROXY_HOST"]
     if env.get("SIEPROXY_AUTH_TOKENS", "").strip():
         s.gateway.auth = True
+    fast = env_fast_paths()
+    if fast is not None:
+        s.gateway.fast_paths = fast
+
+
+_FLAGS = {"1": True, "true": True, "on": True, "yes": True}
+_FLAGS |= {"0": False, "false": False, "off": False, "no": False}
+
+
+def env_fast_paths() -> bool | None:
+    """``SIEPROXY_FAST_PATHS`` as a boolean, ``None`` when unset or empty."""
+    raw = os.environ.get("SIEPROXY_FAST_PATHS", "").strip().lower()
+    if not raw:
+        return None
+    if raw not in _FLAGS:
+        raise ConfigError(
+            f"environment SIEPROXY_FAST_PATHS: expected 0 or 1 (or true/false, on/off), got {raw!r}"
+        )
+    return _FLAGS[raw]
 
 
 def _check(s: Settings, where: str) -> None:

@@ -252,3 +252,27 @@ def test_engines_file_lines(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_settings(_write(tmp_path, text))
     assert "models.m.engines_file" in str(info.value) and "line 1" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("value", "fast"), [(None, True), ("0", False), ("off", False), ("1", True), ("TRUE", True)]
+)
+def test_the_fast_paths_switch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str | None, fast: bool
+) -> None:
+    """``[gateway] fast_paths`` (on by default), overridden by ``SIEPROXY_FAST_PATHS``."""
+    if value is None:
+        monkeypatch.delenv("SIEPROXY_FAST_PATHS", raising=False)
+    else:
+        monkeypatch.setenv("SIEPROXY_FAST_PATHS", value)
+    assert load_settings(_write(tmp_path, GOOD)).gateway.fast_paths is fast
+    off = GOOD.replace("[gateway]", "[gateway]\nfast_paths = false", 1)
+    assert load_settings(_write(tmp_path, off)).gateway.fast_paths is (value is not None and fast)
+
+
+def test_a_bad_fast_paths_variable_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SIEPROXY_FAST_PATHS", "maybe")
+    with pytest.raises(ConfigError, match="SIEPROXY_FAST_PATHS: expected 0 or 1"):
+        load_settings(_write(tmp_path, GOOD))

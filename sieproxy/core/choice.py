@@ -110,33 +110,6 @@ _TRANSITIONS: dict[tuple[ChoicePhase, ChoiceEvent], ChoicePhase] = {
 class ChoiceStateError(InternalError):
     """An event arrived that the choice's state does not allow (a gateway bug)."""
 
-    __slots__ = (
-        "_calls",
-        "_content",
-        "_hiding",
-        "_pending",
-        "_reasoning",
-        "_reasoning_text",
-        "_stop",
-        "_tools",
-        "cached_tokens",
-        "collect",
-        "completion_tokens",
-        "cumulative_logprob",
-        "engine_reason",
-        "finish_reason",
-        "include_reasoning",
-        "index",
-        "logprobs",
-        "phase",
-        "plain",
-        "prompt_tokens",
-        "reasoning_tokens",
-        "saw_tool_call",
-        "stop_matched",
-        "want_logprobs",
-    )
-
 
 @dataclass(slots=True)
 class CompleteToolCall:
@@ -165,6 +138,33 @@ def openai_finish_reason(engine_reason: str, *, stop_matched: bool, tool_calls: 
 
 class ChoiceState:
     """The pipeline and accounting of one choice (one candidate)."""
+
+    __slots__ = (
+        "_calls",
+        "_content",
+        "_hiding",
+        "_pending",
+        "_reasoning",
+        "_reasoning_text",
+        "_stop",
+        "_tools",
+        "cached_tokens",
+        "collect",
+        "completion_tokens",
+        "cumulative_logprob",
+        "engine_reason",
+        "finish_reason",
+        "include_reasoning",
+        "index",
+        "logprobs",
+        "phase",
+        "plain",
+        "prompt_tokens",
+        "reasoning_tokens",
+        "saw_tool_call",
+        "stop_matched",
+        "want_logprobs",
+    )
 
     def __init__(
         self,

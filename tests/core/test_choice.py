@@ -251,3 +251,20 @@ def test_streamed_tool_calls_are_still_parsed() -> None:
     c = ChoiceState(0, tools=FakeTools, collect=False)
     out = c.feed(d("ok {a", 1))
     assert out.content == "ok " and [t.name for t in out.tool_calls][:1] == ["fn"]
+
+
+def test_a_choice_keeps_its_attributes_in_slots() -> None:
+    """``ChoiceState`` is slotted (one per candidate, read on every token): with every stage
+    on and a whole life (deltas, a stop string, the finish), no attribute lands in a
+    ``__dict__``; the slot list is the class's own, not its error's."""
+    c = ChoiceState(
+        0, stops=["END"], reasoning=FakeReasoning, tools=FakeTools, logprobs=True,
+        include_reasoning=True,
+    )
+    c.feed(d("[r]Hi E", 1, [tok(1)]))
+    c.feed(d("ND more", 2, [tok(2)]))
+    c.finish(fin("stop", 2))
+    assert c.stop_matched and c.finished
+    assert not hasattr(c, "__dict__")
+    assert "__slots__" in vars(ChoiceState)
+    assert "__slots__" not in vars(ChoiceStateError)

@@ -18,7 +18,13 @@ import sieproxy.serve
 from engine.fake import FakeEngine
 from sieproxy.app import GatewayState
 from sieproxy.serve import build_app, hypercorn_config, serve
-from sieproxy.settings import EngineSpec, GatewaySettings, ModelSettings, Settings
+from sieproxy.settings import (
+    EngineSpec,
+    GatewaySettings,
+    ModelSettings,
+    Settings,
+    env_fast_paths,
+)
 
 MODEL = "test-model"
 
@@ -100,6 +106,9 @@ def connection_tasks() -> int:
 
 
 def settings_for(ports: list[int], **gateway: Any) -> Settings:
+    fast = env_fast_paths()  # SIEPROXY_FAST_PATHS=0: the suite's run with the fast paths off
+    if fast is not None:
+        gateway.setdefault("fast_paths", fast)
     g = GatewaySettings(
         host="127.0.0.1",
         port=0,

@@ -200,11 +200,14 @@ async def test_serve_installs_it(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_install_and_the_asgi_entry_point(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """``install`` sets the worker's class and puts the previous one back; ``sieproxy.asgi``
+    patches nothing when imported, and installs at the app's start."""
     # monkeypatch puts Hypercorn's own class back afterwards
     monkeypatch.setattr(hypercorn_run, "TCPServer", object)
-    hypercorn_io.install()
+    undo = hypercorn_io.install()
     assert hypercorn_run.TCPServer is TCPServer  # type: ignore[attr-defined]
-    monkeypatch.setattr(hypercorn_run, "TCPServer", object)
+    undo()
+    assert hypercorn_run.TCPServer is object  # type: ignore[attr-defined]
     cfg = tmp_path / "g.toml"
     cfg.write_text('[models.m]\nengines = ["http://127.0.0.1:9"]\nchat_template = "x"\n')
     monkeypatch.setenv("SIEPROXY_CONFIG", str(cfg))
@@ -212,7 +215,12 @@ def test_install_and_the_asgi_entry_point(monkeypatch: pytest.MonkeyPatch, tmp_p
     import sieproxy.asgi
 
     importlib.reload(sieproxy.asgi)
+    assert hypercorn_run.TCPServer is object  # type: ignore[attr-defined]
+    trio.run(sieproxy.asgi._install_front)
     assert hypercorn_run.TCPServer is TCPServer  # type: ignore[attr-defined]
+    assert sieproxy.asgi._install_front in sieproxy.asgi.app.before_serving_funcs
+    trio.run(sieproxy.asgi._uninstall_front)
+    assert hypercorn_run.TCPServer is object  # type: ignore[attr-defined]
 
 
 # --- chunk_writer: streamed bodies framed by the gateway, on a real gateway ---------------------

@@ -22,7 +22,7 @@ from .reasoning import make_reasoning_parser
 from .toolparse import make_tool_parser
 from .validate import check_chat, check_completion, decode_chat, decode_completion
 
-__all__ = ["Prepared", "build_chat", "build_completion"]
+__all__ = ["Prepared", "build_chat", "build_completion", "find_profile"]
 
 
 class _Collected:
@@ -72,7 +72,8 @@ class Prepared:
         return prompt, sum(c.completion_tokens for c in choices)
 
 
-def _profile(profiles: Mapping[str, ModelProfile], model: str) -> ModelProfile:
+def find_profile(profiles: Mapping[str, ModelProfile], model: str) -> ModelProfile:
+    """The served model ``model``, or 404 ``model_not_found`` naming ``param: "model"``."""
     profile = profiles.get(model)
     if profile is None:
         raise NotFound(
@@ -87,7 +88,7 @@ def build_chat(
     raw: bytes, profiles: Mapping[str, ModelProfile], *, request_id: str, created: int
 ) -> Prepared:
     req = decode_chat(raw)
-    profile = _profile(profiles, req.model)
+    profile = find_profile(profiles, req.model)
     valid = check_chat(req, profile)
     plan = plan_chat(valid, profile, request_id=request_id)
     valid.stop = merge_stops(valid.stop, profile.stop)
@@ -145,7 +146,7 @@ def build_completion(
     raw: bytes, profiles: Mapping[str, ModelProfile], *, request_id: str, created: int
 ) -> Prepared:
     req = decode_completion(raw)
-    profile = _profile(profiles, req.model)
+    profile = find_profile(profiles, req.model)
     valid = check_completion(req, profile)
     body = plan_completion(valid, profile, request_id=request_id)
     valid.stop = merge_stops(valid.stop, profile.stop)

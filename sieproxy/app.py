@@ -300,6 +300,7 @@ async def _start(
         on_done=finish,
         timer=state.timer,
         pump=state.pump,
+        fields=plan.fields,
     )
     state.active.add(body)
     return body

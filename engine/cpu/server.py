@@ -472,6 +472,8 @@ def build_app(engine: CpuEngine) -> QuartTrio:
             "has_audio_understanding": False,
             "model_type": engine.model_type(),
             "architectures": [engine.architecture()] if engine.model is not None else [],
+            # Not an SGLang key: lets the gateway check logit_bias ids before sending them.
+            "vocab_size": engine.model.config.vocab_size if engine.model is not None else None,
         }
 
     async def model_info() -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import GatewayError, NotFound
@@ -19,6 +19,7 @@ from .merger import ChatCollector, ChatStream, CompletionCollector, CompletionSt
 from .plan import merge_stops, plan_chat, plan_completion
 from .profile import ModelProfile
 from .reasoning import make_reasoning_parser
+from .refusal import RequestFields
 from .toolparse import make_tool_parser
 from .validate import check_chat, check_completion, decode_chat, decode_completion
 
@@ -64,6 +65,8 @@ class Prepared:
     shaper: Any  # ChatStream | CompletionStream | _Collected
     losers: Callable[[], list[int]] | None
     affinity_key: str | None
+    #: The request's names for what an engine may refuse (``core.refusal.explain``).
+    fields: RequestFields = field(default_factory=RequestFields)
 
     def usage(self) -> tuple[int, int]:
         """(prompt tokens once, completion tokens summed) over what the engines reported."""
@@ -139,6 +142,15 @@ def build_chat(
         shaper=shaper,
         losers=losers,
         affinity_key=req.routing_key or req.prompt_cache_key,
+        fields=RequestFields(
+            prompt="messages",
+            max_tokens="max_completion_tokens"
+            if req.max_completion_tokens is not None
+            else "max_tokens",
+            grammar="tools"
+            if req.response_format is None or req.response_format.type == "text"
+            else "response_format",
+        ),
     )
 
 
@@ -168,4 +180,5 @@ def build_completion(
         shaper=shaper,
         losers=None,
         affinity_key=None,
+        fields=RequestFields(prompt="prompt", max_tokens="max_tokens"),
     )

@@ -64,7 +64,11 @@ def effective_models(settings: Settings) -> dict[str, ModelSettings]:
     models = dict(settings.models)
     e = settings.embedded_engine
     if e.enabled:
-        models[e.served_name] = ModelSettings(engines=[EngineSpec(url=f"http://{e.host}:{e.port}")])
+        models[e.served_name] = ModelSettings(
+            engines=[EngineSpec(url=f"http://{e.host}:{e.port}")],
+            tool_parser=e.tool_parser,
+            reasoning_parser=e.reasoning_parser,
+        )
     return models
 
 

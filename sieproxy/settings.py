@@ -31,6 +31,8 @@ __all__ = [
     "GatewaySettings",
     "ModelSettings",
     "Settings",
+    "check_settings",
+    "default_settings",
     "load_settings",
 ]
 
@@ -138,6 +140,8 @@ class EmbeddedEngine(_Conf):
     host: str = "127.0.0.1"
     port: int = 30100
     extra_args: list[str] = field(default_factory=list)
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
 
 
 class Settings(_Conf):
@@ -281,6 +285,12 @@ def _check(s: Settings, where: str) -> None:
             "embedded_engine.served_name",
             f"model {s.embedded_engine.served_name!r} is also configured under [models]",
         )
+
+
+def check_settings(s: Settings, where: str) -> None:
+    """Check settings built in code (``sieproxy serve``'s model flags) as a file is checked;
+    ``where`` names their source in the error."""
+    _check(s, where)
 
 
 def as_dict(s: Settings) -> dict[str, Any]:

@@ -11,9 +11,10 @@ into :class:`~sieproxy.settings.Settings`).
   parsers it was started with, when the gateway knows them.
 
 The tool and reasoning parsers default from the model family where that is reliable
-(:data:`FAMILY_PARSERS`: ``config.json``'s ``model_type``, a GGUF's ``general.architecture``,
-or the engine's ``model_type``); ``none`` turns a default off. ``llama`` is deliberately not in
-the table: small models such as SmolLM2 share the type without Llama 3's tool-call format.
+(:data:`FAMILY_PARSERS`: ``config.json``'s ``model_type`` or else its first ``architectures``
+entry, a GGUF's ``general.architecture``, or the same keys of the engine's ``/model_info``);
+``none`` turns a default off. ``llama`` is deliberately not in the table: small models such as
+SmolLM2 share the type without Llama 3's tool-call format.
 """
 
 from __future__ import annotations
@@ -106,10 +107,20 @@ def family_of(model: str) -> str | None:
             config = json.loads((path / "config.json").read_text("utf-8"))
         except (OSError, ValueError):
             return None
-        kind = config.get("model_type") if isinstance(config, dict) else None
-        return kind if isinstance(kind, str) else None
+        return _family(config) if isinstance(config, dict) else None
     if path.is_file() and path.suffix.lower() == ".gguf":
         return _gguf_architecture(path)
+    return None
+
+
+def _family(info: dict[str, Any]) -> str | None:
+    """``model_type``, else the first architecture's family (``Qwen3ForCausalLM`` -> ``qwen3``)."""
+    kind = info.get("model_type")
+    if isinstance(kind, str) and kind:
+        return kind
+    archs = info.get("architectures")
+    if isinstance(archs, list) and archs and isinstance(archs[0], str):
+        return archs[0].removesuffix("ForCausalLM").removesuffix("ForConditionalGeneration").lower()
     return None
 
 
@@ -200,7 +211,7 @@ def _apply(s: Settings, flags: ModelFlags) -> None:
                 if flags.served_model_name is None:
                     raise
         name = flags.served_model_name or _engine_name(info, flags.engine)
-        tool, reasoning = FAMILY_PARSERS.get(str(info.get("model_type")), (None, None))
+        tool, reasoning = FAMILY_PARSERS.get(_family(info) or "", (None, None))
         s.models[name] = ModelSettings(
             engines=[flags.engine],
             tool_parser=_parser(

@@ -59,6 +59,13 @@ def test_model_flag_defaults_the_parsers_from_the_family(tmp_path: Path) -> None
     e = s.embedded_engine
     assert (e.served_name, e.tool_parser, e.reasoning_parser) == ("q", "hermes", None)
 
+    # Without model_type, the first architecture names the family.
+    arch = tmp_path / "by-arch"
+    arch.mkdir()
+    (arch / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
+    e = settings_from_flags(ModelFlags(model=str(arch))).embedded_engine
+    assert (e.tool_parser, e.reasoning_parser) == ("qwen25", None)
+
     # A llama-type model (SmolLM2 is one) gets no parser: the type does not say which format.
     llama = _model_dir(tmp_path / "small", "llama")
     e = settings_from_flags(ModelFlags(model=str(llama))).embedded_engine

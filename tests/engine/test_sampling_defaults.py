@@ -1,4 +1,5 @@
-"""The CPU engine applies a model's sampling defaults to what a request leaves unset."""
+"""The CPU engine applies a model's sampling defaults to what a request leaves unset, and its
+top-p (which those defaults turn on for every request that sets none) stays cheap and exact."""
 
 from __future__ import annotations
 
@@ -6,12 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("torch")
+import torch
 
 from engine.cpu.model_store import DEFAULT_MODEL_NAME
 from engine.cpu.params import SamplingParams, parse_sampling_params
 from engine.cpu.runner import sampling_defaults
+from engine.cpu.sampling import _nucleus, sample_row
 
 DEFAULTS = {"temperature": 0.6, "top_p": 0.95, "top_k": 20.0, "repetition_penalty": 1.1}
 
@@ -60,3 +61,32 @@ def test_default_model_has_its_model_card_defaults(tmp_path: Path) -> None:
     assert sampling_defaults(model) == {"temperature": 0.2, "top_p": 0.9}
     (model / "generation_config.json").write_text(json.dumps({"temperature": 0.5}))
     assert sampling_defaults(model) == {"temperature": 0.5}  # the model's own file wins
+
+
+def _full_sort_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p over the whole sorted row, as the definition reads."""
+    sorted_p, order = torch.sort(probs, descending=True)
+    drop = (torch.cumsum(sorted_p, dim=-1) - sorted_p) > top_p
+    drop[0] = False
+    return torch.zeros_like(probs).scatter_(0, order, sorted_p.masked_fill(drop, 0.0))
+
+
+@pytest.mark.parametrize("temperature", [0.2, 0.7, 1.0, 4.0])
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
+def test_nucleus_from_the_top_candidates_is_the_full_sort_nucleus(
+    temperature: float, top_p: float
+) -> None:
+    """Top-p is first looked for among the most likely tokens (cheap: the model's defaults make
+    every default request use top-p); flat rows fall back to the sort. Same set either way."""
+    g = torch.Generator().manual_seed(int(temperature * 10 + top_p * 1000))
+    probs = torch.softmax(torch.randn(49152, generator=g) * 4 / temperature, dim=-1)
+    kept, ids = _nucleus(probs, top_p)
+    assert ids is not None
+    got = torch.zeros_like(probs).scatter_(0, ids, kept)
+    assert torch.equal(got, _full_sort_nucleus(probs, top_p))
+    # A draw picks a token of the nucleus, with the request's generator.
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.log(probs) * temperature
+    token = sample_row(logits.clone(), params, gen, False, 0).token
+    assert got[token] > 0

@@ -542,6 +542,7 @@ class FakeEngine:
         context_length: int = 8192,
         strict_sampling_params: bool = True,
         healthy: bool = True,
+        vocab_size: int | None = None,
     ) -> None:
         self.script: Script = script if script is not None else DefaultScript()
         self.incremental = incremental
@@ -549,6 +550,8 @@ class FakeEngine:
         self.model_path = model_path
         self.served_model_name = served_model_name or model_path
         self.context_length = context_length
+        #: Sent in ``/model_info`` when set (the CPU engine's extension; SGLang has no such key).
+        self.vocab_size = vocab_size
         self.strict_sampling_params = strict_sampling_params
         self.healthy = healthy
         #: Scripted ``(running, waiting)`` for /v1/loads; None: the real running count.
@@ -776,7 +779,7 @@ class FakeEngine:
             "has_audio_understanding": False,
             "model_type": "fake",
             "architectures": ["FakeForCausalLM"],
-        }
+        } | ({"vocab_size": self.vocab_size} if self.vocab_size is not None else {})
 
     def models(self) -> dict[str, Any]:
         """The ``/v1/models`` body."""

@@ -51,7 +51,7 @@ from .core.errors import (
     NotFound,
     ServiceUnavailable,
 )
-from .core.pipeline import build_chat, build_completion, build_responses
+from .core.pipeline import build_chat, build_completion, build_responses, find_profile
 from .core.profile import ModelProfile
 from .discovery import EngineSources
 from .engine_client import EngineClient
@@ -391,6 +391,7 @@ async def _start(
         timer=state.timer,
         pump=state.pump,
         fallback=(lambda cause, failed: fallbacks().next(cause, failed)) if has_fallbacks else None,
+        fields=plan.fields,
     )
     state.active.add(body)
     return body
@@ -470,6 +471,11 @@ def _request_id(given: str | None) -> str:
     return os.urandom(16).hex()
 
 
+def _model_object(name: str) -> dict[str, Any]:
+    """OpenAI's model object (``GET /v1/models`` lists them, ``/v1/models/{id}`` returns one)."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "sieproxy"}
+
+
 def create_app(state: GatewayState) -> Quart:
     """Build the Quart-Trio app around a ready :class:`GatewayState`."""
     app = GatewayApp("sieproxy")
@@ -544,11 +550,14 @@ def create_app(state: GatewayState) -> Quart:
     @app.get("/v1/models")
     async def models() -> Response:
         _auth()
-        data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "sieproxy"}
-            for name in state.profiles
-        ]
+        data = [_model_object(name) for name in state.profiles]
         return Response(_json.encode({"object": "list", "data": data}), content_type=_JSON_CT)
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> Response:
+        _auth()
+        find_profile(state.profiles, model_id)  # 404 model_not_found for an unknown id
+        return Response(_json.encode(_model_object(model_id)), content_type=_JSON_CT)
 
     @app.get("/healthz")
     async def healthz() -> Response:

@@ -13,7 +13,10 @@ import trio
 
 from . import __version__
 from .child import PortInUse
-from .settings import ConfigError, as_dict, load_settings
+from .core.reasoning import REASONING_PARSERS
+from .core.toolparse import TOOL_PARSERS
+from .quickstart import ModelFlags, serve_settings
+from .settings import ConfigError, as_dict
 
 __all__ = ["main"]
 
@@ -50,6 +53,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--host", help="listen address (default: gateway.host, 127.0.0.1)")
     s.add_argument("--port", type=int, help="listen port (default: gateway.port, 8000)")
+    # One model, no configuration file (sieproxy.quickstart; refused together with --config).
+    m = s.add_mutually_exclusive_group()
+    m.add_argument("--model", help="run the embedded CPU engine on PATH (a Hugging Face "
+                   "model directory or a .gguf file; default: SmolLM2-135M-Instruct)")  # fmt: skip
+    m.add_argument("--engine", metavar="URL",
+                   help="front a running SGLang server at URL instead")  # fmt: skip
+    s.add_argument("--served-model-name", metavar="NAME",
+                   help="the model's name in the API (default: from the directory or file "
+                   "name, or the engine's served_model_name)")  # fmt: skip
+    family = "(default: from the model family where reliable; none: no parser)"
+    s.add_argument("--tool-parser", choices=[*sorted(TOOL_PARSERS), "none"],
+                   help=f"tool-call parser {family}")  # fmt: skip
+    s.add_argument("--reasoning-parser", choices=[*sorted(REASONING_PARSERS), "none"],
+                   help=f"reasoning parser {family}")  # fmt: skip
     c = sub.add_parser(
         "config",
         help="print the effective settings (tokens redacted)",
@@ -72,8 +89,9 @@ def _os_error(exc: BaseException) -> OSError | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    flags = ModelFlags(**{k: getattr(args, k, None) for k in ModelFlags.__dataclass_fields__})
     try:
-        settings = load_settings(args.config)
+        settings = serve_settings(args.config, flags)
     except ConfigError as exc:
         print(f"sieproxy: configuration error: {exc}", file=sys.stderr)
         return 2

@@ -45,6 +45,7 @@ from .core.errors import (
     GatewayError,
 )
 from .core.http1 import FramingError, ResponseParser, request_head
+from .core.refusal import classify, engine_message
 from .settings import GatewaySettings
 
 __all__ = ["EngineClient", "UpstreamResponse", "parse_load"]
@@ -289,9 +290,10 @@ class Exchange:
             if resp is None:  # the deadline fired
                 raise trio.TooSlowError
             if self._ok_only and resp.status != 200:
+                text = b""
                 with contextlib.suppress(GatewayError):
-                    await resp.read_all(_DRAIN_LIMIT)
-                raise _status_error(resp.status)
+                    text = await resp.read_all(_DRAIN_LIMIT)
+                raise _status_error(resp.status, text)
         except BaseException:
             self._release()
             raise
@@ -549,11 +551,18 @@ def _map_errors() -> Iterator[None]:
         raise EngineTruncated("The engine connection failed.") from exc
 
 
-def _status_error(status: int) -> EngineHTTPError:
+def _status_error(status: int, body: bytes = b"") -> EngineHTTPError:
     if status == 400:
         msg = "The engine refused the request (for example, the prompt is too long)."
     elif status in (429, 503):
         msg = "The engine is busy or not ready; retry shortly."
     else:
         msg = f"The engine answered with HTTP {status}."
-    return EngineHTTPError(msg, engine_status=status)
+    err = EngineHTTPError(msg, engine_status=status)
+    if status == 400:  # the only status answered as the client's 400
+        try:
+            text = engine_message(msgspec.json.decode(body)) if body else None
+        except msgspec.DecodeError:
+            text = None
+        err.refusal = classify(text)
+    return err

@@ -134,6 +134,23 @@ def openapi_document() -> dict[str, Any]:
                     "responses": {"200": {"description": "Model list"}},
                 }
             },
+            "/v1/models/{model}": {
+                "get": {
+                    "operationId": "retrieveModel",
+                    "parameters": [
+                        {
+                            "name": "model",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string"},
+                        }
+                    ],
+                    "responses": {
+                        "200": {"description": "Model object"},
+                        "404": {"description": "Unknown model (`model_not_found`)"},
+                    },
+                }
+            },
         },
         "components": {"schemas": components},
     }

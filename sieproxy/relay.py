@@ -71,6 +71,7 @@ from .core.errors import (
 )
 from .core.events import CandidateDelta, CandidateFinish
 from .core.express import Express
+from .core.refusal import RequestFields, explain
 from .core.sse import SSEDecoder
 from .core.upstream import GenerateReader
 from .engine_client import EngineClient, Exchange, UpstreamResponse
@@ -278,6 +279,7 @@ class GenerationBody:
         "_deferred",
         "_done",
         "_fallback",
+        "_fields",
         "_g",
         "_handled_any",
         "_held",
@@ -321,9 +323,11 @@ class GenerationBody:
         timer: WaitTimer | None = None,
         pump: Pump | None = None,
         fallback: FallBack | None = None,
+        fields: RequestFields | None = None,
     ) -> None:
         self._g = g
         self._fallback = fallback
+        self._fields = fields or RequestFields()
         self._client = client
         self._pool = pool
         self.replica = replica
@@ -976,6 +980,9 @@ class GenerationBody:
                 self._cancel(i, "stop")
         elif isinstance(item, CandidateFinish):
             out = self._shaper.on_finish(i, item)
+        elif isinstance(item, UpstreamError) and item.refusal is not None:
+            # The engine refused the request: said in the request's own field names.
+            raise explain(item.refusal, self._fields) from item
         else:
             raise item
         if self._losers is not None:

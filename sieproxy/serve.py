@@ -3,10 +3,12 @@
 ``serve()`` is what ``sieproxy serve`` runs; ``asgi.app`` is the same app for running under the
 ``hypercorn`` command with several worker processes (see docs/DEPLOYMENT.md).
 
-Background tasks (in the app's serving nursery): a health watcher per replica, and — for a model
-with no configured chat template — discovery of the template from the engine's ``/model_info``
-(``tokenizer_path``, a local directory when the engine runs on the same host, as the embedded
-CPU engine does). Until discovery has run, the model is not ready (503 "model loading").
+Background tasks (in the app's serving nursery): a health watcher per replica, and per model a
+discovery from the engine's ``/model_info`` and ``/server_info`` (``_discover``): the context
+length and vocabulary size the core checks requests against, and — for a model with no
+configured chat template — the template (``tokenizer_path``, a local directory when the engine
+runs on the same host, as the embedded CPU engine does). Until the template is discovered, such
+a model is not ready (503 "model loading").
 
 Shutdown: on SIGTERM/SIGINT the gateway stops accepting connections, answers new requests on
 open connections with 503, lets in-flight streams run for ``shutdown_grace`` seconds, then ends
@@ -26,7 +28,10 @@ import secrets
 import signal
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
+from typing import Any
 
+import msgspec
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
@@ -65,7 +70,11 @@ def effective_models(settings: Settings) -> dict[str, ModelSettings]:
     models = dict(settings.models)
     e = settings.embedded_engine
     if e.enabled:
-        models[e.served_name] = ModelSettings(engines=[EngineSpec(url=f"http://{e.host}:{e.port}")])
+        models[e.served_name] = ModelSettings(
+            engines=[EngineSpec(url=f"http://{e.host}:{e.port}")],
+            tool_parser=e.tool_parser,
+            reasoning_parser=e.reasoning_parser,
+        )
     return models
 
 
@@ -145,41 +154,79 @@ def build_state(settings: Settings) -> GatewayState:
     )
 
 
-async def _discover_template(state: GatewayState, model: str) -> None:
+async def _discover(state: GatewayState, model: str) -> None:
+    """Learn what the model's engine knows, once, from its first ready replica: the context
+    length (``/server_info``) and vocabulary size (``/model_info``'s ``vocab_size``, else the
+    ``config.json`` of a local model directory), which the core checks requests against; and,
+    for a model with no configured template, the chat template (then the model opens)."""
     pool = state.pools[model]
+    need_template = not pool.gate_open
     while True:
         for r in pool.replicas:
             if not r.ready:
                 continue
             try:
                 info = await state.client.model_info(r.url)
+                server = await state.client.server_info(r.url)
             except GatewayError:
                 continue
             path = info.get("tokenizer_path") or info.get("model_path")
-            if isinstance(path, str) and await trio.Path(path).is_dir():
-                try:
-                    src = read_tokenizer_dir(path)
-                    if src.template:
-                        check_template(src.template)
-                except ValueError as exc:
-                    log.error("model %s: %s (from %s)", model, exc, path)
-                else:
-                    if src.template:
-                        state.profiles[model] = replace(
-                            state.profiles[model],
-                            chat_template=src.template,
-                            template_vars=src.variables,
-                        )
-                        log.info("model %s: chat template read from %s", model, path)
-            if state.profiles[model].chat_template is None:
-                log.warning(
-                    "model %s: no chat template configured or discoverable; "
-                    "using the plain role-prefixed rendering",
-                    model,
-                )
-            pool.gate_open = True
+            local = isinstance(path, str) and await trio.Path(path).is_dir()
+            if need_template and local:
+                assert isinstance(path, str)
+                _read_template(state, model, path)
+            _apply_limits(state, model, info, server, path if local else None)
+            if need_template:
+                if state.profiles[model].chat_template is None:
+                    log.warning(
+                        "model %s: no chat template configured or discoverable; "
+                        "using the plain role-prefixed rendering",
+                        model,
+                    )
+                pool.gate_open = True
             return
         await trio.sleep(0.5)
+
+
+def _read_template(state: GatewayState, model: str, path: str) -> None:
+    try:
+        src = read_tokenizer_dir(path)
+        if src.template:
+            check_template(src.template)
+    except ValueError as exc:  # logged; the plain rendering serves instead of a 500 a request
+        log.error("model %s: %s (from %s)", model, exc, path)
+        return
+    if src.template:
+        state.profiles[model] = replace(
+            state.profiles[model], chat_template=src.template, template_vars=src.variables
+        )
+        log.info("model %s: chat template read from %s", model, path)
+
+
+def _positive(x: object) -> int | None:
+    return x if isinstance(x, int) and not isinstance(x, bool) and x > 0 else None
+
+
+def _apply_limits(
+    state: GatewayState,
+    model: str,
+    info: dict[str, Any],
+    server: dict[str, Any],
+    local_dir: str | None,
+) -> None:
+    context = _positive(server.get("context_length"))
+    vocab = _positive(info.get("vocab_size"))
+    if vocab is None and local_dir is not None:
+        try:
+            config = msgspec.json.decode(Path(local_dir, "config.json").read_bytes())
+        except (OSError, msgspec.DecodeError):
+            config = None
+        if isinstance(config, dict):
+            vocab = _positive(config.get("vocab_size"))
+    state.profiles[model] = replace(
+        state.profiles[model], context_length=context, vocab_size=vocab
+    )
+    log.info("model %s: context length %s, vocabulary %s", model, context, vocab)
 
 
 def build_app(settings: Settings) -> Quart:
@@ -197,8 +244,7 @@ def build_app(settings: Settings) -> Quart:
         for name, pool in state.pools.items():
             nursery.start_soon(pool.run_health_checks, state.client)
             nursery.start_soon(state.sources[name].run, pool)  # DNS names, engines file
-            if not pool.gate_open:
-                nursery.start_soon(_discover_template, state, name)
+            nursery.start_soon(_discover, state, name)
 
     @app.after_serving
     async def _stop_background() -> None:

@@ -42,6 +42,8 @@ __all__ = [
     "GatewaySettings",
     "ModelSettings",
     "Settings",
+    "check_settings",
+    "default_settings",
     "load_settings",
     "parse_engines_file",
 ]
@@ -182,6 +184,8 @@ class EmbeddedEngine(_Conf):
     #: ``--prefix-cache-tokens`` of the engine (None: the engine's default; 0: no cache).
     prefix_cache_tokens: int | None = None
     extra_args: list[str] = field(default_factory=list)
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def engine_args(self) -> list[str]:
         """Engine arguments from the keys above, then ``extra_args``."""
@@ -515,6 +519,12 @@ def _check_parsers_and_template(
             check_template(template)
         except ValueError as exc:
             raise bad(key, str(exc)) from None
+
+
+def check_settings(s: Settings, where: str) -> None:
+    """Check settings built in code (``sieproxy serve``'s model flags) as a file is checked;
+    ``where`` names their source in the error."""
+    _check(s, where)
 
 
 def as_dict(s: Settings) -> dict[str, Any]:

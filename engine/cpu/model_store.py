@@ -14,7 +14,8 @@ crash never leaves a half-written model behind and concurrent starts are safe.
 * ``None``, ``""``, ``"default"``, ``"smollm2"`` or ``"SmolLM2-135M-Instruct"`` → the converted
   default model (converted on first use);
 * a directory containing ``config.json`` → that directory;
-* a path to a ``.gguf`` file → converted into the cache, keyed by the file's name.
+* a path to a ``.gguf`` file → converted into the cache, keyed by the file's name (the bundled
+  default GGUF, given by its path, shares the default model's conversion).
 """
 
 from __future__ import annotations
@@ -71,6 +72,13 @@ def default_gguf_path() -> Path:
         if candidate.is_file():
             return candidate
     raise ModelNotFoundError(f"{_GGUF_FILE} not found in package {_GGUF_PACKAGE}")
+
+
+def _is_bundled(path: Path) -> bool:
+    try:
+        return path.resolve() == default_gguf_path().resolve()
+    except ModelNotFoundError:
+        return False
 
 
 def _log(message: str) -> None:
@@ -162,6 +170,8 @@ def resolve_model(spec: str | os.PathLike[str] | None = None) -> Path:
             return path
         raise ModelNotFoundError(f"{path} is a directory without config.json")
     if path.is_file() and path.suffix == ".gguf":
+        if _is_bundled(path):  # the default model by its path: one conversion, not two
+            return convert_gguf(path, cache_root() / DEFAULT_MODEL_NAME)
         return convert_gguf(path, cache_root() / path.stem)
     raise ModelNotFoundError(
         f"model {text!r} not found: give a local HF model directory, a .gguf file, "

@@ -11,12 +11,14 @@ Two kinds of failure, with two wire shapes (SGLANG-NATIVE-PROTOCOL.md §1, §2.2
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
     "KNOWN_SAMPLING_KEYS",
+    "MODEL_DEFAULT_KEYS",
     "UNLIMITED",
     "ContractError",
     "ParamError",
@@ -60,6 +62,16 @@ KNOWN_SAMPLING_KEYS: tuple[str, ...] = (
     "choice",
 )
 _KNOWN = frozenset(KNOWN_SAMPLING_KEYS)
+
+#: The sampling keys a model's ``generation_config.json`` may default (SGLang's set: what it
+#: applies when a request leaves them unset, with ``--sampling-defaults model``).
+MODEL_DEFAULT_KEYS: tuple[str, ...] = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+)
 
 
 class ContractError(ValueError):
@@ -166,8 +178,13 @@ def _expect(value: Any, kind: str, key: str) -> Any:
     return value
 
 
-def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingParams:
-    """Validate one ``sampling_params`` object; raise ContractError or ParamError."""
+def parse_sampling_params(
+    raw: Any, vocab_size: int, defaults: Mapping[str, float] | None = None
+) -> SamplingParams:
+    """Validate one ``sampling_params`` object; raise ContractError or ParamError.
+
+    ``defaults`` are the model's own values for :data:`MODEL_DEFAULT_KEYS`, used for each key
+    the request leaves unset (absent or null); a value the request sets always wins."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -177,6 +194,8 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingParams:
             expected = ", ".join(f"`{k}`" for k in KNOWN_SAMPLING_KEYS)
             raise ContractError(f"unknown field `{key}`, expected one of {expected}")
     p = SamplingParams()
+    for key, value in (defaults or {}).items():
+        setattr(p, key, int(value) if key == "top_k" else float(value))
     # null means "default" for every field except max_new_tokens (null = unlimited).
     values = {k: v for k, v in raw.items() if v is not None or k == "max_new_tokens"}
 
@@ -208,7 +227,7 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingParams:
         if key in values:
             setattr(p, key, _expect(values[key], "str", key) or None)
     p.min_new_tokens = values.get("min_new_tokens", 0)
-    p.top_k = values.get("top_k", -1)
+    p.top_k = values.get("top_k", p.top_k)
     p.n = values.get("n", 1)
     p.stream_interval = values.get("stream_interval")
 

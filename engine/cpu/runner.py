@@ -21,9 +21,16 @@ from engine.cpu.grammar import GrammarCache
 from engine.cpu.lora import LoraAdapter, load_adapter
 from engine.cpu.model import TransformerModel, load_model
 from engine.cpu.model_store import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME, resolve_model
+from engine.cpu.params import MODEL_DEFAULT_KEYS
 from engine.cpu.scheduler import Scheduler
 
-__all__ = ["DEFAULT_PREFIX_CACHE_TOKENS", "CpuEngine", "EngineConfig"]
+__all__ = [
+    "DEFAULT_PREFIX_CACHE_TOKENS",
+    "KNOWN_SAMPLING_DEFAULTS",
+    "CpuEngine",
+    "EngineConfig",
+    "sampling_defaults",
+]
 
 #: Tokens of KV the prefix cache may hold (46 KB a token for SmolLM2-135M: about 380 MB).
 DEFAULT_PREFIX_CACHE_TOKENS = 8192
@@ -57,6 +64,8 @@ class CpuEngine:
         self.grammars: GrammarCache | None = None
         self.adapters: dict[str, LoraAdapter] = {}
         self.eos_token_ids: set[int] = set()
+        #: The model's sampling defaults for unset request values (``sampling_defaults``).
+        self.sampling_defaults: dict[str, float] = {}
         self.load_seconds = 0.0
         self.ready = False
         self.error: str | None = None
@@ -90,6 +99,8 @@ class CpuEngine:
         model = load_model(path)
         self.model = model
         self.eos_token_ids = _eos_ids(path, self.tokenizer)
+        self.sampling_defaults = sampling_defaults(path)
+        log.info("sampling defaults of the model: %s", self.sampling_defaults or "none")
         for name, adapter_path in self.config.loras.items():
             self.adapters[name] = load_adapter(name, adapter_path, model.config.num_layers)
         self.grammars = GrammarCache(
@@ -126,6 +137,37 @@ class CpuEngine:
     def model_type(self) -> str:
         """The model's ``model_type``."""
         return self.model.config.model_type if self.model is not None else ""
+
+
+#: Sampling defaults of models whose ``generation_config.json`` sets none, from their model cards.
+#: SmolLM2-135M-Instruct's card samples at temperature 0.2, top-p 0.9; at the engine's plain
+#: defaults (1.0 / 1.0) the 135M model answers the README's questions with word salad.
+KNOWN_SAMPLING_DEFAULTS: dict[str, dict[str, float]] = {
+    DEFAULT_MODEL_NAME: {"temperature": 0.2, "top_p": 0.9},
+}
+
+
+def sampling_defaults(path: Path) -> dict[str, float]:
+    """The model's sampling defaults, as SGLang takes them: the ``temperature``, ``top_p``,
+    ``top_k``, ``min_p`` and ``repetition_penalty`` its ``generation_config.json`` sets; when it
+    sets none, :data:`KNOWN_SAMPLING_DEFAULTS` by the model directory's name."""
+    gen = path / "generation_config.json"
+    config: Any = {}
+    if gen.is_file():
+        try:
+            config = json.loads(gen.read_text())
+        except ValueError:
+            log.warning("%s is not valid JSON; no sampling defaults read from it", gen)
+    found = {
+        k: float(v)
+        for k in MODEL_DEFAULT_KEYS
+        if isinstance(config, dict)
+        and isinstance(v := config.get(k), int | float)
+        and not isinstance(v, bool)
+    }
+    if found:
+        return found
+    return dict(KNOWN_SAMPLING_DEFAULTS.get(path.name, {}))
 
 
 def _eos_ids(path: Path, tokenizer: Any) -> set[int]:

@@ -72,6 +72,29 @@ def process_logits(
     return row
 
 
+#: Candidates looked at first for top-p: the nucleus of a peaked distribution (temperature
+#: below 1, the usual case with a model's sampling defaults) lies within them, and a top-k of
+#: 64 costs about 0.1 ms where sorting a 49,152-token vocabulary cost 3.5 ms per row and token.
+_NUCLEUS_K = 64
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Top-p filtering: the probabilities of the smallest prefix of tokens (by probability)
+    whose mass before each token is at most ``top_p``, and their ids. Looked for among the
+    ``_NUCLEUS_K`` most likely tokens first (exact whenever their mass exceeds ``top_p``:
+    every later token then has more than ``top_p`` before it), else over the sorted row."""
+    n = probs.shape[0]
+    if n > _NUCLEUS_K:
+        top, ids = torch.topk(probs, _NUCLEUS_K)
+        if float(top.sum()) <= top_p:
+            top, ids = torch.sort(probs, descending=True)
+    else:
+        top, ids = torch.sort(probs, descending=True)
+    drop = (torch.cumsum(top, dim=-1) - top) > top_p
+    drop[0] = False
+    return top.masked_fill(drop, 0.0), ids
+
+
 def sample_row(
     row: torch.Tensor,
     params: SamplingParams,
@@ -91,16 +114,13 @@ def sample_row(
             kth = torch.topk(logits, params.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
+        ids: torch.Tensor | None = None  # set when ``probs`` holds only the nucleus
         if params.top_p < 1.0:
-            sorted_p, order = torch.sort(probs, descending=True)
-            cum = torch.cumsum(sorted_p, dim=-1)
-            drop = (cum - sorted_p) > params.top_p
-            drop[0] = False
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+            probs, ids = _nucleus(probs, params.top_p)
         if params.min_p > 0.0:
             probs = probs.masked_fill(probs < probs.max() * params.min_p, 0.0)
-        token = int(torch.multinomial(probs, 1, generator=generator))
+        pick = int(torch.multinomial(probs, 1, generator=generator))
+        token = pick if ids is None else int(ids[pick])
     result = SampleResult(token)
     if logprobs is not None:
         result.logprob = float(logprobs[token])

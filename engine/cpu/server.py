@@ -259,15 +259,18 @@ async def _build_requests(engine: CpuEngine, body: dict[str, Any]) -> tuple[list
     if count == 0:
         raise ParamError("The batch is empty.")
     vocab = engine.model.config.vocab_size if engine.model is not None else 0
+    defaults = engine.sampling_defaults
     raw_params = body.get("sampling_params")
     if isinstance(raw_params, list):
         if len(raw_params) != count:
             raise ParamError("The length of sampling_params must match the batch size.")
-        params = [parse_sampling_params(p, vocab) for p in raw_params]
+        params = [parse_sampling_params(p, vocab, defaults) for p in raw_params]
     else:
-        one = parse_sampling_params(raw_params, vocab)
+        one = parse_sampling_params(raw_params, vocab, defaults)
         params = (
-            [parse_sampling_params(raw_params, vocab) for _ in range(count)] if count > 1 else [one]
+            [parse_sampling_params(raw_params, vocab, defaults) for _ in range(count)]
+            if count > 1
+            else [one]
         )
     n = params[0].n
     if any(p.n != n for p in params):
@@ -318,7 +321,7 @@ async def _build_requests(engine: CpuEngine, body: dict[str, Any]) -> tuple[list
                 params[i]
                 if n == 1
                 else parse_sampling_params(
-                    raw_params[i] if isinstance(raw_params, list) else raw_params, vocab
+                    raw_params[i] if isinstance(raw_params, list) else raw_params, vocab, defaults
                 )
             )
             if n > 1 and sub_params.sampling_seed is not None:
@@ -480,7 +483,8 @@ def build_app(engine: CpuEngine) -> QuartTrio:
             "served_model_name": engine.served_model_name,
             "tokenizer_path": str(engine.model_path or ""),
             "is_generation": True,
-            "preferred_sampling_params": None,
+            # The model's defaults for unset sampling values (generation_config.json).
+            "preferred_sampling_params": engine.sampling_defaults or None,
             "weight_version": "default",
             "load_format": "safetensors",
             "reasoning_parser": None,
@@ -490,6 +494,8 @@ def build_app(engine: CpuEngine) -> QuartTrio:
             "has_audio_understanding": False,
             "model_type": engine.model_type(),
             "architectures": [engine.architecture()] if engine.model is not None else [],
+            # Not an SGLang key: lets the gateway check logit_bias ids before sending them.
+            "vocab_size": engine.model.config.vocab_size if engine.model is not None else None,
         }
 
     async def model_info() -> Any:

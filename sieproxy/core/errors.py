@@ -6,7 +6,8 @@ and the HTTP layer renders them with :meth:`GatewayError.envelope`.
     GatewayError                     status, type, code, param, message, headers
     ├── RequestError                 400  invalid_request_error
     │   ├── InvalidRequest           400  code "invalid_request"
-    │   └── UnsupportedField         400  code "unsupported_field"
+    │   ├── UnsupportedField         400  code "unsupported_field"
+    │   └── ContextLengthExceeded    400  code "context_length_exceeded" (in core.refusal)
     ├── AuthenticationError          401  (WWW-Authenticate: Bearer)
     ├── NotFound                     404  (unknown model, unknown path)
     ├── MethodNotAllowed             405
@@ -16,6 +17,7 @@ and the HTTP layer renders them with :meth:`GatewayError.envelope`.
     └── UpstreamError                errors that come from an engine
         ├── EngineUnreachable        503  connection refused, connect or pool timeout
         ├── EngineHTTPError          502 / 503 / 400  the engine answered with an error status
+        │                            (a 4xx refusal carries ``refusal``; see core.refusal)
         ├── EngineMalformed          500  "worker emitted malformed response"
         ├── EngineStreamError        500  the engine sent an in-stream `error` object
         ├── EngineAborted            status from the abort finish reason
@@ -27,7 +29,10 @@ Engine or library exception text is never put in ``message``: messages are the g
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .refusal import Refusal
 
 __all__ = [
     "AuthenticationError",
@@ -161,12 +166,15 @@ class ServiceUnavailable(GatewayError):
 
 
 class UpstreamError(GatewayError):
-    """An engine failed.  ``retryable`` is true when nothing reached the engine's model yet."""
+    """An engine failed.  ``retryable`` is true when nothing reached the engine's model yet.
+    ``refusal`` is set when the engine refused the request itself (a 4xx): what its text said,
+    for ``core.refusal.explain`` to word the client's error with the request's field names."""
 
     status = 502
     type = "server_error"
     code = "upstream_error"
     retryable = False
+    refusal: Refusal | None = None
 
 
 class EngineUnreachable(UpstreamError, ServiceUnavailable):

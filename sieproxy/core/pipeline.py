@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .affinity import prefix_key
@@ -21,13 +21,14 @@ from .merger import ChatCollector, ChatStream, CompletionCollector, CompletionSt
 from .plan import ChatPlan, merge_stops, plan_chat, plan_completion
 from .profile import ModelProfile
 from .reasoning import make_reasoning_parser
+from .refusal import RequestFields
 from .responses import decode_responses, translated
 from .responses_out import ResponsesShaper
 from .schemas import ChatCompletionRequest
 from .toolparse import make_tool_parser
 from .validate import check_chat, check_completion, decode_chat, decode_completion
 
-__all__ = ["Prepared", "build_chat", "build_completion", "build_responses"]
+__all__ = ["Prepared", "build_chat", "build_completion", "build_responses", "find_profile"]
 
 
 class _Collected:
@@ -72,6 +73,8 @@ class Prepared:
     #: The prompt's prefix-affinity key, used when ``affinity_key`` is None (model routing
     #: ``prefix``).
     prefix_key: str | None = None
+    #: The request's names for what an engine may refuse (``core.refusal.explain``).
+    fields: RequestFields = field(default_factory=RequestFields)
 
     def usage(self) -> tuple[int, int]:
         """(prompt tokens once, completion tokens summed) over what the engines reported."""
@@ -80,7 +83,8 @@ class Prepared:
         return prompt, sum(c.completion_tokens for c in choices)
 
 
-def _profile(profiles: Mapping[str, ModelProfile], model: str) -> ModelProfile:
+def find_profile(profiles: Mapping[str, ModelProfile], model: str) -> ModelProfile:
+    """The served model ``model``, or 404 ``model_not_found`` naming ``param: "model"``."""
     profile = profiles.get(model)
     if profile is None:
         raise NotFound(
@@ -131,7 +135,7 @@ def build_chat(
     req = decode_chat(raw)
     if model is not None:  # a fallback model serves the request (the response names it)
         req.model = model
-    profile = _profile(profiles, req.model)
+    profile = find_profile(profiles, req.model)
     valid = check_chat(req, profile)
     plan = plan_chat(valid, profile, request_id=request_id)
     valid.stop = merge_stops(valid.stop, profile.stop)
@@ -162,6 +166,15 @@ def build_chat(
         losers=losers,
         affinity_key=req.routing_key or req.prompt_cache_key,
         prefix_key=plan.prefix_key,
+        fields=RequestFields(
+            prompt="messages",
+            max_tokens="max_completion_tokens"
+            if req.max_completion_tokens is not None
+            else "max_tokens",
+            grammar="tools"
+            if req.response_format is None or req.response_format.type == "text"
+            else "response_format",
+        ),
     )
 
 
@@ -176,7 +189,7 @@ def build_completion(
     req = decode_completion(raw)
     if model is not None:
         req.model = model
-    profile = _profile(profiles, req.model)
+    profile = find_profile(profiles, req.model)
     valid = check_completion(req, profile)
     body = plan_completion(valid, profile, request_id=request_id)
     valid.stop = merge_stops(valid.stop, profile.stop)
@@ -199,6 +212,7 @@ def build_completion(
         losers=None,
         affinity_key=None,
         prefix_key=prefix_key(valid.prompt),
+        fields=RequestFields(prompt="prompt", max_tokens="max_tokens"),
     )
 
 
@@ -215,7 +229,7 @@ def build_responses(
     rreq, req, paths = decode_responses(raw)
     if model is not None:
         req.model = model
-    profile = _profile(profiles, req.model)
+    profile = find_profile(profiles, req.model)
     try:
         valid = check_chat(req, profile)
     except RequestError as err:
@@ -241,4 +255,10 @@ def build_responses(
         losers=None,
         affinity_key=req.prompt_cache_key,
         prefix_key=plan.prefix_key,
+        fields=RequestFields(
+            prompt="input",
+            max_tokens="max_output_tokens",
+            grammar="tools" if req.response_format is None or req.response_format.type == "text"
+            else "text.format",
+        ),
     )

@@ -31,6 +31,9 @@ class ModelProfile:
     stop: tuple[str, ...] = ()
     pools: frozenset[str] = frozenset()
     machine_profiles: frozenset[str] = frozenset()
+    #: Learned from the engine (``/server_info``, ``/model_info``) once it is up; None: unknown.
+    context_length: int | None = None
+    vocab_size: int | None = None
 
     @property
     def accepts_images(self) -> bool:

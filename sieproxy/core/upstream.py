@@ -26,6 +26,7 @@ Errors (all messages are the gateway's own; engine text is never echoed):
 
     top-level "error" key            EngineStreamError (400 when the engine's code is 4xx)
     abort with int status_code       EngineAborted(engine_status=N)
+    (a 4xx of either also carries ``refusal``: its text classified by ``core.refusal``)
     abort with null status_code      CandidateFinish(reason="abort")
     bad JSON / shape / types         EngineMalformed
     EOF before [DONE]                EngineTruncated — unless the terminal chunk was already
@@ -42,6 +43,7 @@ import msgspec
 
 from .errors import EngineAborted, EngineMalformed, EngineStreamError, EngineTruncated
 from .events import CandidateDelta, CandidateFinish, TokenLogprob, TopLogprob
+from .refusal import classify, engine_message
 
 __all__ = ["NEG_INF_LOGPROB", "GenerateReader", "decode_chunk", "parse_generate_response"]
 
@@ -68,6 +70,7 @@ class _Chunk(msgspec.Struct, gc=False):
     error: Any = msgspec.UNSET
     object: Any = None
     code: Any = None
+    message: Any = None
 
 
 #: One ``/generate`` chunk's JSON (``str`` or bytes) as a ``_Chunk`` (also ``core.express``).
@@ -82,7 +85,7 @@ def _decode(payload: str | bytes) -> tuple[str, _Meta]:
     if chunk.error is not msgspec.UNSET and chunk.error is not None:
         raise _stream_error(chunk.error)
     if chunk.object == "error":  # FastAPI/HTTPException shape: {"object":"error","code":N,...}
-        raise _stream_error({"code": chunk.code})
+        raise _stream_error({"code": chunk.code, "message": chunk.message})
     if isinstance(chunk.text, msgspec.UnsetType) or isinstance(chunk.meta_info, msgspec.UnsetType):
         raise EngineMalformed()
     return chunk.text, chunk.meta_info
@@ -98,18 +101,22 @@ def _stream_error(error: Any) -> EngineStreamError:
         err.status = 400
         err.type = "invalid_request_error"
         err.code = "invalid_request"
+        err.refusal = classify(engine_message({"error": error}))
         return err
     return EngineStreamError("The engine failed while generating; retry the request.")
 
 
-def _aborted(status: int) -> EngineAborted:
+def _aborted(status: int, message: Any = None) -> EngineAborted:
     if 400 <= status < 500:
         msg = "The engine refused the request; check that it fits the model's limits."
     elif status == 503:
         msg = "The engine is overloaded; retry shortly."
     else:
         msg = "The engine aborted the generation; retry the request."
-    return EngineAborted(msg, engine_status=status)
+    err = EngineAborted(msg, engine_status=status)
+    if 400 <= status < 500:
+        err.refusal = classify(message if isinstance(message, str) else None)
+    return err
 
 
 def _is_int(x: object) -> bool:
@@ -129,7 +136,7 @@ def _finish(meta: _Meta) -> CandidateFinish | None:
         if status is not None:
             if not _is_int(status):
                 raise EngineMalformed()
-            raise _aborted(status)
+            raise _aborted(status, fr.get("message"))
     elif kind == "stop":
         raw = fr.get("matched")
         if not (

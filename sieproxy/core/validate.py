@@ -49,6 +49,11 @@ Decisions where the contract is silent
   with ``unsupported_field`` before its URL is looked at; otherwise remote URLs, malformed
   ``data:`` URIs, bad base64, unsupported or mislabelled types and oversized images are refused
   with ``invalid_request`` (``param`` … ``.image_url``). See :mod:`sieproxy.core.images`.
+- Model limits, once learned from the engine (``ModelProfile.context_length`` / ``vocab_size``):
+  an explicit ``max_tokens`` / ``max_completion_tokens`` of at least the context length is
+  refused (``context_length_exceeded``; the default cap is lowered to fit instead), and so is a
+  ``logit_bias`` id at or past the vocabulary size (``param: "logit_bias"``). See
+  :mod:`sieproxy.core.refusal` for the engine's own refusals.
 - Completions: an empty ``prompt`` string is accepted; ``temperature`` follows the chat rule
   (finite, >= 0).
 """
@@ -66,6 +71,7 @@ from msgspec import UNSET
 from .errors import InvalidRequest, RequestError, UnsupportedField
 from .images import decode_image_uri
 from .profile import ModelProfile
+from .refusal import logit_bias_out_of_vocab, max_tokens_over_context
 from .request import ImageInput, ValidChat, ValidCompletion
 from .schemas import (
     CHAT_KNOWN_REJECTED,
@@ -356,6 +362,14 @@ def _check_logit_bias(bias: dict[str, float]) -> None:
             )
 
 
+def _check_fits_context(profile: ModelProfile, param: str, value: int) -> None:
+    """A token cap that leaves no room for even a one-token prompt, when the context is known
+    (the engine would refuse it; the prompt's own length is the engine's to check)."""
+    ctx = profile.context_length
+    if ctx is not None and value >= ctx:
+        raise max_tokens_over_context(param, value, ctx)
+
+
 def _check_chat_scalars(req: ChatCompletionRequest) -> None:
     n = req.n
     if n is None:
@@ -639,10 +653,18 @@ def check_chat(req: ChatCompletionRequest, profile: ModelProfile) -> ValidChat:
         )
     if req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
+        _check_fits_context(profile, "max_completion_tokens", max_tokens)
     elif req.max_tokens is not None:
         max_tokens = req.max_tokens
+        _check_fits_context(profile, "max_tokens", max_tokens)
     else:
         max_tokens = profile.default_max_tokens
+        if profile.context_length is not None:  # a default never refuses: it is capped
+            max_tokens = max(min(max_tokens, profile.context_length - 1), 1)
+    if req.logit_bias and profile.vocab_size is not None:
+        for key in req.logit_bias:
+            if int(key) >= profile.vocab_size:
+                raise logit_bias_out_of_vocab(int(key), profile.vocab_size)
     if req.min_tokens is not None and req.min_tokens > max_tokens:
         raise InvalidRequest(
             f"`min_tokens` must not exceed the output-token cap ({max_tokens}).",
@@ -697,7 +719,8 @@ def decode_completion(body: bytes) -> CompletionRequest:
 def check_completion(req: CompletionRequest, profile: ModelProfile) -> ValidCompletion:
     """Build the validated completion from a request of :func:`decode_completion`.
 
-    The model must be able to generate (not ``encode_only``).
+    The model must be able to generate (not ``encode_only``), and ``max_tokens`` must stay below
+    the context length when it is known.
     """
     if profile.encode_only:
         raise _cannot_generate(profile)
@@ -706,6 +729,8 @@ def check_completion(req: CompletionRequest, profile: ModelProfile) -> ValidComp
         raise UnsupportedField(
             "Batched (array) prompts are not supported; send one prompt string.", param="prompt"
         )
+    if req.max_tokens is not None:
+        _check_fits_context(profile, "max_tokens", req.max_tokens)
     return ValidCompletion(
         req=req,
         model=req.model,

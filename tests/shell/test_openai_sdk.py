@@ -10,9 +10,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import openai
+import pytest
 import trio
 
 from engine.fake import Call, DefaultScript, FakeEngine, Plan, default_tokens
+from sieproxy.settings import Settings
 
 from .harness import MODEL, Gateway, running_gateway
 
@@ -426,3 +428,33 @@ async def test_usage_cached_tokens_zero_when_the_engine_reports_none() -> None:
         assert chat.usage is not None and chat.usage.prompt_tokens_details is not None
         assert chat.usage.prompt_tokens_details.cached_tokens == 0
         client.close()
+
+async def test_models_list_and_retrieve() -> None:
+    """``client.models.retrieve`` gets OpenAI's model object; an unknown id is the SDK's
+    ``NotFoundError`` with the error envelope naming ``model``."""
+    async with running_gateway() as gw:
+        client = _client(gw)
+        listed = await _sync(lambda: client.models.list())
+        assert [m.id for m in listed.data] == [MODEL]
+        got = await _sync(lambda: client.models.retrieve(MODEL))
+        assert (got.id, got.object, got.owned_by) == (MODEL, "model", "sieproxy")
+        assert got.model_dump() == listed.data[0].model_dump()
+        with pytest.raises(openai.NotFoundError) as caught:
+            await _sync(lambda: client.models.retrieve("no-such-model"))
+        err = caught.value.body
+        assert isinstance(err, dict)
+        assert err["param"] == "model" and err["code"] == "model_not_found"
+        assert err["type"] == "invalid_request_error"
+        assert "no-such-model" in err["message"] and "GET /v1/models" in err["message"]
+        client.close()
+
+
+async def test_model_ids_with_slashes_are_retrievable() -> None:
+    """Hugging Face style ids (``org/name``) are one path segment too many for a plain route."""
+    def rename(s: Settings) -> None:
+        s.models = {"org/some-model": s.models[MODEL]}
+
+    async with running_gateway(settings_hook=rename) as gw:
+        resp = await gw.client.get("/v1/models/org/some-model")
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["id"] == "org/some-model"

@@ -40,6 +40,7 @@ from .observe import Observer
 from .pool import ModelPool
 from .relay import GenerationBody, sweep_stalls
 from .settings import (
+    DEFAULT_MODEL_NAME,
     ConfigError,
     EngineSpec,
     GatewaySettings,
@@ -54,12 +55,24 @@ __all__ = ["build_app", "build_state", "serve"]
 log = logging.getLogger("sieproxy")
 
 
+#: ``embedded_engine.model`` values naming the bundled default (as the CPU engine reads them).
+_DEFAULT_MODEL_ALIASES = frozenset(
+    {"", "default", "smollm2", "smollm2-135m-instruct", DEFAULT_MODEL_NAME.lower()}
+)
+#: The bundled default's tool-call parser (its chat template ignores ``tools``; the gateway
+#: shows them with an example call in this format).
+DEFAULT_MODEL_TOOL_PARSER = "smollm2"
+
+
 def effective_models(settings: Settings) -> dict[str, ModelSettings]:
     """Configured models, plus the embedded engine's model when it is enabled."""
     models = dict(settings.models)
     e = settings.embedded_engine
     if e.enabled:
-        models[e.served_name] = ModelSettings(engines=[EngineSpec(url=f"http://{e.host}:{e.port}")])
+        url = f"http://{e.host}:{e.port}"
+        default = e.model.strip().lower() in _DEFAULT_MODEL_ALIASES
+        parser = DEFAULT_MODEL_TOOL_PARSER if default else None
+        models[e.served_name] = ModelSettings(engines=[EngineSpec(url=url)], tool_parser=parser)
     return models
 
 
@@ -77,6 +90,7 @@ def _profile(name: str, m: ModelSettings, settings: Settings) -> ModelProfile:
         reasoning_parser=m.reasoning_parser,
         schema_in_prompt=m.schema_in_prompt,
         default_max_tokens=m.default_max_tokens or settings.gateway.default_max_tokens,
+        max_tool_calls=m.max_tool_calls,
         max_image_bytes=settings.gateway.max_image_bytes,
         chat_template=template,
         template_vars=variables,

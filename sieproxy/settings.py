@@ -125,6 +125,8 @@ class ModelSettings(_Conf):
     reasoning_parser: str | None = None
     schema_in_prompt: bool = True
     default_max_tokens: int | None = None
+    #: The most calls one choice may make under ``tool_choice: "required"``.
+    max_tool_calls: int = 4
     #: Extra stop strings every request of this model gets.
     stop: list[str] = field(default_factory=list)
 
@@ -276,6 +278,8 @@ def _check(s: Settings, where: str) -> None:
             raise bad(f"models.{name}.tokenizer", f"not a directory: {m.tokenizer}")
         if m.default_max_tokens is not None and m.default_max_tokens < 1:
             raise bad(f"models.{name}.default_max_tokens", "must be >= 1")
+        if m.max_tool_calls < 1:
+            raise bad(f"models.{name}.max_tool_calls", "must be >= 1")
     if s.embedded_engine.enabled and s.embedded_engine.served_name in s.models:
         raise bad(
             "embedded_engine.served_name",

@@ -40,11 +40,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import InvalidRequest
-from .grammar import response_format_constraint, tool_plan, with_schema_in_prompt
+from .grammar import (
+    response_format_constraint,
+    tool_plan,
+    with_schema_in_prompt,
+    with_tools_in_prompt,
+)
 from .profile import ModelProfile
 from .request import ValidChat, ValidCompletion
 from .schemas import ChatCompletionRequest, CompletionRequest
-from .template import messages_for_template, render_chat
+from .template import messages_for_template, render_chat, template_renders_tools
 
 __all__ = [
     "MAX_STOP",
@@ -133,6 +138,9 @@ def plan_chat(
     grammar = response_format_constraint(valid) or tools.constraint
 
     messages = with_schema_in_prompt(messages_for_template(valid), valid, profile)
+    messages = with_tools_in_prompt(
+        messages, tools, template_renders_tools(profile.chat_template)
+    )
     kwargs: dict[str, Any] = {}
     if req.chat_template_kwargs is not None:
         ctk = req.chat_template_kwargs

@@ -251,6 +251,18 @@ def test_strict_auto_tools_get_a_structural_tag_with_native_parsers() -> None:
     assert tool_plan(valid_chat(tools=[WEATHER]), QWEN).constraint is None
 
 
+def test_smollm2_auto_calls_are_always_constrained_once_opened() -> None:
+    smol = ModelProfile(name="s", tool_parser="smollm2")
+    plan = tool_plan(valid_chat(tools=[WEATHER, NOARGS]), smol)  # no strict tool
+    assert plan.constraint is not None and plan.constraint[0] == "structural_tag"
+    tag = json.loads(plan.constraint[1])
+    assert tag["triggers"] == ["<tool_call>"]
+    first = tag["structures"][0]
+    assert first["begin"] == '<tool_call>[{"name": "get_weather", "arguments": '
+    assert first["schema"] == WEATHER["function"]["parameters"]  # type: ignore[index]
+    assert first["end"] == "}]</tool_call>"
+
+
 def _xgrammar() -> Any:
     return pytest.importorskip("xgrammar")
 
@@ -288,7 +300,10 @@ def test_xgrammar_ends_the_call_list_at_the_cap_and_allows_closing_after_each_ca
     assert not _is_grammar_accept_string(grammar, f"[{call}, {call}]")
 
 
-@pytest.mark.parametrize("profile", [QWEN, HERMES])
+SMOL = ModelProfile(name="s", tool_parser="smollm2")
+
+
+@pytest.mark.parametrize("profile", [QWEN, HERMES, SMOL])
 def test_xgrammar_compiles_and_accepts_the_structural_tag(profile: ModelProfile) -> None:
     xgr = _xgrammar()
     from xgrammar.structural_tag import StructuralTagItem
@@ -301,10 +316,11 @@ def test_xgrammar_compiles_and_accepts_the_structural_tag(profile: ModelProfile)
     tag = json.loads(tool_structural_tag(tools, profile.tool_parser))
     items = [StructuralTagItem(**s) for s in tag["structures"]]
     grammar = xgr.Grammar.from_structural_tag(items, tag["triggers"])
-    nl = "" if profile.tool_parser == "hermes" else "\n"
-    call = (
-        f'<tool_call>{nl}{{"name": "book", "arguments": {{"when": {{"day": 2}}}}}}{nl}</tool_call>'
-    )
+    nl = "" if profile.tool_parser in ("hermes", "smollm2") else "\n"
+    obj = '{"name": "book", "arguments": {"when": {"day": 2}}}'
+    if profile.tool_parser == "smollm2":
+        obj = f"[{obj}]"
+    call = f"<tool_call>{nl}{obj}{nl}</tool_call>"
     assert _is_grammar_accept_string(grammar, "Sure. " + call)
     assert _is_grammar_accept_string(grammar, "No call at all.")
     bad = call.replace('{"day": 2}', '{"day": "two"}')
@@ -472,7 +488,16 @@ def test_tools_shown_only_when_the_template_ignores_them() -> None:
     msgs = [{"role": "system", "content": "Be brief."}, *USER]
     out = with_tools_in_prompt(msgs, auto, template_renders_tools=False)
     assert out[0]["content"] == "Be brief.\n\n" + tools_section([WEATHER], "smollm2")
-    assert out[1:] == USER and msgs[0]["content"] == "Be brief."
+    # under "auto", a one-turn example of a call follows the system message
+    example = '<tool_call>[{"name": "get_weather", "arguments": {"city": "..."}}]</tool_call>'
+    assert out[1:3] == [
+        {"role": "user", "content": "Call get_weather."},
+        {"role": "assistant", "content": example},
+    ]
+    assert out[3:] == USER and msgs[0]["content"] == "Be brief."
+    described = valid_chat(tools=[UNIT], tool_choice="auto")
+    out = with_tools_in_prompt(USER, tool_plan(described, smol), template_renders_tools=False)
+    assert out[1]["content"] == "Weather in a city" and out[3:] == USER
     assert with_tools_in_prompt(msgs, auto, template_renders_tools=True) is msgs
     # forced calls: the example is the JSON-array form the grammar imposes
     forced = tool_plan(valid_chat(tools=[WEATHER], tool_choice="required"), smol)

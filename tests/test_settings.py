@@ -33,6 +33,8 @@ def test_no_file_means_the_embedded_engine(monkeypatch: pytest.MonkeyPatch) -> N
     state = build_state(s)
     assert list(state.profiles) == [DEFAULT_MODEL_NAME]
     assert not state.pools[DEFAULT_MODEL_NAME].gate_open  # template discovered from the engine
+    # the bundled model's template ignores `tools`: the gateway teaches (and parses) smollm2
+    assert state.profiles[DEFAULT_MODEL_NAME].tool_parser == "smollm2"
 
 
 def test_good_file_and_env_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -46,6 +48,9 @@ def test_good_file_and_env_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert [e.pool for e in s.engine_specs("m")] == [None, "batch"]
     assert not s.embedded_engine.enabled
     assert build_state(s).profiles["m"].default_max_tokens == 77
+    assert build_state(s).profiles["m"].max_tool_calls == 4
+    capped = load_settings(_write(tmp_path, GOOD + "max_tool_calls = 2\n"))
+    assert build_state(capped).profiles["m"].max_tool_calls == 2
 
 
 @pytest.mark.parametrize(
@@ -61,6 +66,8 @@ def test_good_file_and_env_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyP
         ("[models.m]\nengines = ['http://x']\ninputs = ['audio']\n", "models.m.inputs", "audio"),
         ("[models.m]\nengines = ['http://x']\ntokenizer = '/nonexistent'\n",
          "models.m.tokenizer", "not a directory"),
+        ("[models.m]\nengines = ['http://x']\nmax_tool_calls = 0\n",
+         "models.m.max_tool_calls", ">= 1"),
     ],
 )
 def test_bad_file_names_file_key_problem(

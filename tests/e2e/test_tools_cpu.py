@@ -7,6 +7,11 @@ Gateway → real CPU engine (SmolLM2-135M-Instruct, whose chat template ignores 
   "tool_calls"``, no content, complete calls (one for a named function, at most the model's
   ``max_tool_calls`` for ``"required"``) whose arguments validate against the function's
   ``parameters``.
+String parameters carry a ``maxLength`` (as in the constrained-decoding suite): at temperature 1
+the 135M model sometimes rambles inside an unbounded string until ``max_tokens``, which is then
+correctly reported as ``finish_reason "length"`` with the cut call — the bound keeps every call
+within ``max_tokens`` so the test checks the complete-call path.
+
 - ``tool_choice: "auto"`` with the ``smollm2`` parser (the embedded default model's): an obvious
   tool request yields a call, streamed and not.
 """
@@ -39,7 +44,7 @@ WEATHER: Any = {
         "parameters": {
             "type": "object",
             "properties": {
-                "city": {"type": "string"},
+                "city": {"type": "string", "maxLength": 40},
                 "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
             },
             "required": ["city"],
@@ -54,7 +59,7 @@ SEARCH: Any = {
         "description": "Search the web",
         "parameters": {
             "type": "object",
-            "properties": {"query": {"type": "string"}},
+            "properties": {"query": {"type": "string", "maxLength": 40}},
             "required": ["query"],
             "additionalProperties": False,
         },
@@ -129,7 +134,7 @@ async def test_forced_calls_are_complete_and_valid(
     try:
         choices = await _in_thread(
             lambda: _choices(
-                client, stream, tool_choice=choice, n=SAMPLES, temperature=1.0, max_tokens=256
+                client, stream, tool_choice=choice, n=SAMPLES, temperature=1.0, max_tokens=384
             )
         )
     finally:

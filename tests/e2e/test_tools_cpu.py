@@ -12,6 +12,7 @@ the 135M model sometimes rambles inside an unbounded string until ``max_tokens``
 correctly reported as ``finish_reason "length"`` with the cut call — the bound keeps every call
 within ``max_tokens`` so the test checks the complete-call path.
 
+- Greedy forced calls with ``max_tokens`` 512 end by themselves, within the bounds above.
 - ``tool_choice: "auto"`` with the ``smollm2`` parser (the embedded default model's): an obvious
   tool request yields a call, streamed and not.
 """
@@ -159,3 +160,23 @@ async def test_auto_calls_a_tool_for_an_obvious_request(
     [c] = choices
     _check(c, {"get_weather"}, 1)
     assert "Paris" in json.loads(c["calls"][0][1])["city"]
+
+
+@pytest.mark.parametrize("forced", ["named", "required"])
+async def test_greedy_forced_calls_end(gw: CpuGateway, forced: str) -> None:
+    # The reported shape (a greedy named call with max_tokens 512 once wrote 15 calls, the last
+    # cut mid-JSON): one call for a named function, at most max_tool_calls for "required".
+    if forced == "named":
+        choice: Any = {"type": "function", "function": {"name": "get_weather"}}
+        allowed, most = {"get_weather"}, 1
+    else:
+        choice, allowed, most = "required", set(SCHEMAS), MAX_CALLS
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=300)
+    try:
+        choices = await _in_thread(
+            lambda: _choices(client, False, tool_choice=choice, temperature=0.0, max_tokens=512)
+        )
+    finally:
+        client.close()
+    [c] = choices
+    _check(c, allowed, most)

@@ -51,6 +51,7 @@ from .observe import Observer
 from .pool import ModelPool
 from .relay import GenerationBody, sweep_stalls
 from .settings import (
+    DEFAULT_MODEL_NAME,
     ConfigError,
     EngineSpec,
     GatewaySettings,
@@ -65,14 +66,25 @@ __all__ = ["build_app", "build_state", "claim_ports", "serve"]
 log = logging.getLogger("sieproxy")
 
 
+#: ``embedded_engine.model`` values naming the bundled default (as the CPU engine reads them).
+_DEFAULT_MODEL_ALIASES = frozenset(
+    {"", "default", "smollm2", "smollm2-135m-instruct", DEFAULT_MODEL_NAME.lower()}
+)
+#: The bundled default's tool-call parser (its chat template ignores ``tools``; the gateway
+#: shows them with an example call in this format).
+DEFAULT_MODEL_TOOL_PARSER = "smollm2"
+
+
 def effective_models(settings: Settings) -> dict[str, ModelSettings]:
     """Configured models, plus the embedded engine's model when it is enabled."""
     models = dict(settings.models)
     e = settings.embedded_engine
     if e.enabled:
+        url = f"http://{e.host}:{e.port}"
+        default = e.model.strip().lower() in _DEFAULT_MODEL_ALIASES
         models[e.served_name] = ModelSettings(
-            engines=[EngineSpec(url=f"http://{e.host}:{e.port}")],
-            tool_parser=e.tool_parser,
+            engines=[EngineSpec(url=url)],
+            tool_parser=e.tool_parser or (DEFAULT_MODEL_TOOL_PARSER if default else None),
             reasoning_parser=e.reasoning_parser,
         )
     return models
@@ -92,6 +104,7 @@ def _profile(name: str, m: ModelSettings, settings: Settings) -> ModelProfile:
         reasoning_parser=m.reasoning_parser,
         schema_in_prompt=m.schema_in_prompt,
         default_max_tokens=m.default_max_tokens or settings.gateway.default_max_tokens,
+        max_tool_calls=m.max_tool_calls,
         max_image_bytes=settings.gateway.max_image_bytes,
         chat_template=template,
         template_vars=variables,

@@ -163,6 +163,8 @@ class ModelSettings(_Conf):
     reasoning_parser: str | None = None
     schema_in_prompt: bool = True
     default_max_tokens: int | None = None
+    #: The most calls one choice may make under ``tool_choice: "required"``.
+    max_tool_calls: int = 4
     #: Extra stop strings every request of this model gets.
     stop: list[str] = field(default_factory=list)
     #: Replica choice: ``prefix`` (affinity on the client's key, else the prompt's leading
@@ -433,6 +435,8 @@ def _check(s: Settings, where: str) -> None:
         if m.routing not in ROUTING_MODES:
             modes = ", ".join(ROUTING_MODES)
             raise bad(f"models.{name}.routing", f"one of {modes}, not {m.routing!r}")
+        if m.max_tool_calls < 1:
+            raise bad(f"models.{name}.max_tool_calls", "must be >= 1")
         _check_parsers_and_template(name, m, bad)
     if s.embedded_engine.kind not in ("cpu", "fake"):
         raise bad("embedded_engine.kind", "one of cpu, fake")

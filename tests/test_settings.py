@@ -37,6 +37,8 @@ def test_no_file_means_the_embedded_engine(monkeypatch: pytest.MonkeyPatch) -> N
     state = build_state(s)
     assert list(state.profiles) == [DEFAULT_MODEL_NAME]
     assert not state.pools[DEFAULT_MODEL_NAME].gate_open  # template discovered from the engine
+    # the bundled model's template ignores `tools`: the gateway teaches (and parses) smollm2
+    assert state.profiles[DEFAULT_MODEL_NAME].tool_parser == "smollm2"
 
 
 def test_good_file_and_env_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,6 +52,9 @@ def test_good_file_and_env_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert [e.pool for e in s.engine_specs("m")] == [None, "batch"]
     assert not s.embedded_engine.enabled
     assert build_state(s).profiles["m"].default_max_tokens == 77
+    assert build_state(s).profiles["m"].max_tool_calls == 4
+    capped = load_settings(_write(tmp_path, GOOD + "max_tool_calls = 2\n"))
+    assert build_state(capped).profiles["m"].max_tool_calls == 2
 
 
 BROKEN_TEMPLATE = "{% for m in messages %}{{ m['content'] }}"  # no endfor
@@ -111,6 +116,8 @@ BAD_FILES = [
     ("[models.m]\nengines = ['http://x']\ninputs = ['audio']\n", "models.m.inputs", "audio"),
     ("[models.m]\nengines = ['http://x']\ntokenizer = '/nonexistent'\n",
      "models.m.tokenizer", "not a directory"),
+    ("[models.m]\nengines = ['http://x']\nmax_tool_calls = 0\n",
+     "models.m.max_tool_calls", ">= 1"),
     ("[embedded_engine]\nprefix_cache_tokens = -1\n",
      "embedded_engine.prefix_cache_tokens", ">= 0"),
     ("[embedded_engine]\nkind = 'fake'\nprefix_cache_tokens = 64\n",

@@ -39,9 +39,11 @@ State table (``event`` × ``phase`` → ``phase``; anything else is illegal, rai
     STOPPED  + FINISH     → FINISHED
     STOPPED  + FAIL       → FAILED
 
-Finish mapping to OpenAI: any tool-call delta produced → ``tool_calls`` (also when cut by
-``length``); gateway stop match → ``stop``; engine ``stop``/``length`` pass through; anything
-else (``abort`` without a status, unknown types) → ``stop``.
+Finish mapping to OpenAI: engine ``length`` with the output ending inside a call (the tool
+parser's ``truncated``: arguments cut mid-JSON, or a call list left open) → ``length``; else any
+tool-call delta produced → ``tool_calls`` (also when ``length`` came after complete calls);
+gateway stop match → ``stop``; engine ``stop``/``length`` pass through; anything else
+(``abort`` without a status, unknown types) → ``stop``.
 """
 
 from __future__ import annotations
@@ -125,8 +127,12 @@ class CompleteToolCall:
         return "".join(self.arguments_parts)
 
 
-def openai_finish_reason(engine_reason: str, *, stop_matched: bool, tool_calls: bool) -> str:
+def openai_finish_reason(
+    engine_reason: str, *, stop_matched: bool, tool_calls: bool, call_cut: bool = False
+) -> str:
     """Map an engine finish reason to OpenAI's chat vocabulary (see the module docstring)."""
+    if call_cut and engine_reason == "length" and not stop_matched:
+        return "length"
     if tool_calls:
         return "tool_calls"
     if stop_matched:
@@ -259,7 +265,10 @@ class ChoiceState:
         self.reasoning_tokens = fin.reasoning_tokens
         self.completion_tokens = max(self.completion_tokens, fin.completion_tokens)
         self.finish_reason = openai_finish_reason(
-            fin.reason, stop_matched=self.stop_matched, tool_calls=self.saw_tool_call
+            fin.reason,
+            stop_matched=self.stop_matched,
+            tool_calls=self.saw_tool_call,
+            call_cut=self._tools is not None and self._tools.truncated,
         )
         return out
 

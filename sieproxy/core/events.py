@@ -113,7 +113,8 @@ class ReasoningParser(Protocol):
 class ToolCallParser(Protocol):
     """Turns a choice's content into plain content and tool-call deltas, incrementally.
 
-    ``feed``/``flush`` return ``(content, deltas)``; ``calls`` counts complete calls so far.
+    ``feed``/``flush`` return ``(content, deltas)``; ``calls`` counts the calls started so far;
+    ``truncated`` (read after ``flush``) says the output ended inside a call.
     """
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]: ...
@@ -122,3 +123,6 @@ class ToolCallParser(Protocol):
 
     @property
     def calls(self) -> int: ...
+
+    @property
+    def truncated(self) -> bool: ...

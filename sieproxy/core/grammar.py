@@ -17,14 +17,19 @@ Decisions
     - ``"auto"`` (the default with tools): the template sees every tool, generation is free and the
       profile's ``tool_parser`` (may be ``None``: then calls are not parsed) reads the output.
       Exception, mirroring SGLang's "strict" handling: if a tool declares ``strict: true`` and the
-      profile's parser is ``hermes`` / ``qwen25`` / ``qwen``, a trigger-based *legacy* xgrammar
+      profile's parser is ``hermes`` / ``qwen25`` / ``qwen`` (or always, for ``smollm2``: a
+      format the gateway teaches a model not trained on it), a trigger-based *legacy* xgrammar
       structural tag (``{"type": "structural_tag", "structures": [...], "triggers":
       ["<tool_call>"]}``, the shape SGLang's own OpenAI layer sends) constrains the arguments of
       any call the model chooses to open, while text outside calls stays free.
     - ``"required"`` or a named function: a **JSON-array** constraint, whatever the profile's
-      parser. Output is ``[{"name": <fn>, "parameters": {...}}, ...]`` with ``minItems: 1``
-      (and ``maxItems: 1`` when ``parallel_tool_calls`` is false), each item an ``anyOf`` branch
-      per allowed function whose ``parameters`` is that function's schema. The response side
+      parser. Output is ``[{"name": <fn>, "parameters": {...}}, ...]`` with ``minItems: 1`` and
+      a ``maxItems`` bound, each item an ``anyOf`` branch per allowed function whose
+      ``parameters`` is that function's schema. The bound is 1 for a named function (OpenAI
+      forces exactly one call) and for ``parallel_tool_calls: false``, else the profile's
+      ``max_tool_calls``: a small model otherwise writes call after call until ``max_tokens``
+      cuts one mid-JSON. After each complete call the grammar allows ``]`` as well as ``,``, so
+      the model can close the list at any point after the first. The response side
       parses it with the ``"json_array"`` parser. Why not a model-native structural tag:
       trigger-based tags do not force a call ("required" would not be guaranteed), the newer
       ``triggered_tags`` ``at_least_one`` form needs a recent xgrammar on the engine, and a JSON
@@ -34,6 +39,21 @@ Decisions
     - Tool schemas with local ``$defs`` / ``definitions``: ``#/$defs/X`` references resolve
       against the document root, so each function's definitions are hoisted to the root of the
       array schema; two functions defining the same name differently is a 400 on ``tools``.
+
+Tools in the prompt (:func:`with_tools_in_prompt`)
+    A model whose chat template never reads ``tools`` (SmolLM2's) would not see them. For such a
+    template (see :func:`sieproxy.core.template.template_renders_tools`) the gateway shows the
+    template's tools in a :func:`tools_section`, placed like the response-format section below
+    (appended to the first system message, or a new first system message). The section lists
+    each function as compact JSON and, when the request's parser has a known format
+    (:data:`TOOL_CALL_FORMATS`), one example call of the first tool in that format: the
+    JSON-array form when the call is forced, the profile's ``tool_parser`` format under
+    ``"auto"``. Always on for such templates (no setting): tools the model cannot see cannot be
+    called. Under ``"auto"`` (a call in the profile's format) the section is followed by a
+    one-turn example: a user message holding the first tool's description (``Call <name>.``
+    without one) and an assistant message holding the example call. Measured on SmolLM2-135M:
+    with the section alone the model never opened a call; with the example turn it opened one
+    for most tool requests and still answered prose for others.
 
 ``schema_in_prompt`` (:func:`with_schema_in_prompt`)
     A ``json_schema`` response format is also shown to the model, unless the request says
@@ -71,6 +91,8 @@ __all__ = [
     "JSON_ARRAY_PARSER",
     "NATIVE_TAG_PARSERS",
     "RESPONSE_FORMATS_HEADER",
+    "TOOLS_HEADER",
+    "TOOL_CALL_FORMATS",
     "Constraint",
     "ToolPlan",
     "json_array_tool_schema",
@@ -80,7 +102,9 @@ __all__ = [
     "tool_constraint",
     "tool_plan",
     "tool_structural_tag",
+    "tools_section",
     "with_schema_in_prompt",
+    "with_tools_in_prompt",
 ]
 
 #: ``(sampling_params key, value)``: the one grammar of a request.
@@ -90,9 +114,22 @@ Constraint = tuple[str, str]
 JSON_ARRAY_PARSER = "json_array"
 
 #: Profile tool parsers whose ``<tool_call>`` format the legacy structural tag can express.
-NATIVE_TAG_PARSERS = frozenset({"hermes", "qwen25", "qwen"})
+NATIVE_TAG_PARSERS = frozenset({"hermes", "qwen25", "qwen", "smollm2"})
+#: Parsers whose calls are constrained under ``"auto"`` even without a ``strict`` tool.
+ALWAYS_TAGGED_PARSERS = frozenset({"smollm2"})
 
 RESPONSE_FORMATS_HEADER = "# Response Formats"
+TOOLS_HEADER = "# Tools"
+
+#: Per tool parser, how one example call is written: ``(before, arguments key, after)``.
+TOOL_CALL_FORMATS: dict[str, tuple[str, str, str]] = {
+    "hermes": ("<tool_call>\n", "arguments", "\n</tool_call>"),
+    "qwen25": ("<tool_call>\n", "arguments", "\n</tool_call>"),
+    "qwen": ("<tool_call>\n", "arguments", "\n</tool_call>"),
+    "llama3": ("", "parameters", ""),
+    JSON_ARRAY_PARSER: ("[", "parameters", "]"),
+    "smollm2": ("<tool_call>[", "arguments", "]</tool_call>"),
+}
 
 _JSON_OBJECT = '{"type": "object"}'
 _EMPTY_PARAMS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -178,10 +215,12 @@ def _hoist_defs(tools: list[Tool]) -> tuple[list[dict[str, Any]], dict[str, dict
     return params, roots
 
 
-def json_array_tool_schema(tools: list[Tool], *, parallel: bool = True) -> dict[str, Any]:
+def json_array_tool_schema(
+    tools: list[Tool], *, parallel: bool = True, max_items: int | None = None
+) -> dict[str, Any]:
     """The JSON-array constraint: ``[{"name": fn, "parameters": {...}}, ...]``, at least one.
 
-    ``parallel=False`` adds ``maxItems: 1``.
+    ``max_items`` bounds the calls (``maxItems``); ``parallel=False`` makes the bound 1.
     """
     params, defs = _hoist_defs(tools)
     items = [
@@ -201,7 +240,9 @@ def json_array_tool_schema(tools: list[Tool], *, parallel: bool = True) -> dict[
         "items": {"type": "object", "anyOf": items},
     }
     if not parallel:
-        schema["maxItems"] = 1
+        max_items = 1
+    if max_items is not None:
+        schema["maxItems"] = max_items
     schema.update(defs)
     return schema
 
@@ -212,12 +253,17 @@ def tool_structural_tag(tools: list[Tool], parser: str) -> str:
     One structure per tool; a ``strict`` tool's arguments follow its parameters, the others only
     have to be a JSON object. Calls are optional (trigger-based); text around them is free.
     """
-    nl = "" if parser == "hermes" else "\n"
+    nl = "" if parser in ("hermes", "smollm2") else "\n"
+    bracket = "[" if parser == "smollm2" else ""
+    strict = parser in ALWAYS_TAGGED_PARSERS
     structures = [
         {
-            "begin": f'<tool_call>{nl}{{"name": {json.dumps(t.function.name)}, "arguments": ',
-            "schema": _params(t) if t.function.strict else {"type": "object"},
-            "end": f"}}{nl}</tool_call>",
+            "begin": (
+                f"<tool_call>{nl}{bracket}"
+                f'{{"name": {json.dumps(t.function.name)}, "arguments": '
+            ),
+            "schema": _params(t) if strict or t.function.strict else {"type": "object"},
+            "end": f"}}{bracket and ']'}{nl}</tool_call>",
         }
         for t in tools
     ]
@@ -249,13 +295,17 @@ def tool_plan(valid: ValidChat, profile: ModelProfile) -> ToolPlan:
     allowed = _allowed(valid)
     template_tools = [_tool_dict(t) for t in allowed]
     if choice == "required" or isinstance(choice, NamedToolChoice):
-        parallel = valid.req.parallel_tool_calls is not False
-        schema = json_array_tool_schema(allowed, parallel=parallel)
+        named = isinstance(choice, NamedToolChoice)
+        parallel = not named and valid.req.parallel_tool_calls is not False
+        schema = json_array_tool_schema(
+            allowed, parallel=parallel, max_items=profile.max_tool_calls
+        )
         value = json.dumps(schema, ensure_ascii=False)
         return ToolPlan(template_tools, ("json_schema", value), JSON_ARRAY_PARSER, active=True)
     parser = profile.tool_parser
     constraint: Constraint | None = None
-    if parser in NATIVE_TAG_PARSERS and any(t.function.strict for t in allowed):
+    strict = parser in ALWAYS_TAGGED_PARSERS or any(t.function.strict for t in allowed)
+    if parser in NATIVE_TAG_PARSERS and strict:
         assert parser is not None
         constraint = ("structural_tag", tool_structural_tag(allowed, parser))
     return ToolPlan(template_tools, constraint, parser, active=True)
@@ -349,6 +399,11 @@ def with_schema_in_prompt(
     section = response_formats_section(
         schema, name=rf.json_schema.name, description=rf.json_schema.description
     )
+    return _add_to_system(messages, section)
+
+
+def _add_to_system(messages: list[dict[str, Any]], section: str) -> list[dict[str, Any]]:
+    """``section`` appended to the first system message, or as a new first one (a new list)."""
     out = list(messages)
     for i, msg in enumerate(out):
         if msg.get("role") != "system":
@@ -361,3 +416,62 @@ def with_schema_in_prompt(
         out[i] = {**msg, "content": new_content}
         return out
     return [{"role": "system", "content": section}, *out]
+
+
+# ---------------------------------------------------------------- tools in prompt
+
+
+def _placeholder(schema: Any) -> Any:
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), None)
+    return {"integer": 0, "number": 0, "boolean": False, "array": [], "object": {}}.get(
+        kind if isinstance(kind, str) else "", "..."
+    )
+
+
+def _example_call(function: dict[str, Any], parser: str) -> str:
+    before, key, after = TOOL_CALL_FORMATS[parser]
+    params = function.get("parameters") or {}
+    props = params.get("properties") if isinstance(params, dict) else None
+    props = props if isinstance(props, dict) else {}
+    required = params.get("required") if isinstance(params, dict) else None
+    names = [n for n in (required or []) if isinstance(n, str) and n in props] or list(props)[:1]
+    args = {n: _placeholder(props[n]) for n in names}
+    call = json.dumps({"name": function["name"], key: args}, ensure_ascii=False)
+    return before + call + after
+
+
+def tools_section(tools: list[dict[str, Any]], parser: str | None) -> str:
+    """The exact text shown to a model whose template ignores ``tools`` (module docstring).
+
+    ``tools`` are OpenAI ``{"type": "function", "function": {...}}`` dicts (at least one);
+    ``parser`` picks the example call's format (none for a parser without a known format).
+    """
+    functions = [t["function"] for t in tools]
+    lines = [TOOLS_HEADER, "", "You can call these tools:", "<tools>"]
+    lines.extend(_compact(f) for f in functions)
+    lines.append("</tools>")
+    if parser is not None and parser in TOOL_CALL_FORMATS:
+        lines += ["", "To call a tool, reply with only the call, in this format:"]
+        lines.append(_example_call(functions[0], parser))
+    return "\n".join(lines)
+
+
+def with_tools_in_prompt(
+    messages: list[dict[str, Any]], plan: ToolPlan, template_renders_tools: bool
+) -> list[dict[str, Any]]:
+    """``messages`` with the ``# Tools`` section when the template would not show the tools."""
+    if template_renders_tools or not plan.template_tools:
+        return messages
+    parser = plan.parser.strip().lower().replace("-", "_") if plan.parser else None
+    out = _add_to_system(messages, tools_section(plan.template_tools, parser))
+    if parser is None or parser == JSON_ARRAY_PARSER or parser not in TOOL_CALL_FORMATS:
+        return out
+    first = plan.template_tools[0]["function"]
+    example = [
+        {"role": "user", "content": first.get("description") or f"Call {first['name']}."},
+        {"role": "assistant", "content": _example_call(first, parser)},
+    ]
+    at = next(i for i, m in enumerate(out) if m.get("role") == "system") + 1
+    return [*out[:at], *example, *out[at:]]

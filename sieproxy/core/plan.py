@@ -41,11 +41,16 @@ from typing import Any
 
 from .affinity import opening_end, prefix_key
 from .errors import InvalidRequest
-from .grammar import response_format_constraint, tool_plan, with_schema_in_prompt
+from .grammar import (
+    response_format_constraint,
+    tool_plan,
+    with_schema_in_prompt,
+    with_tools_in_prompt,
+)
 from .profile import ModelProfile
 from .request import ValidChat, ValidCompletion
 from .schemas import ChatCompletionRequest, CompletionRequest
-from .template import messages_for_template, render_chat
+from .template import messages_for_template, render_chat, template_renders_tools
 
 __all__ = [
     "MAX_STOP",
@@ -136,6 +141,9 @@ def plan_chat(
     grammar = response_format_constraint(valid) or tools.constraint
 
     messages = with_schema_in_prompt(messages_for_template(valid), valid, profile)
+    messages = with_tools_in_prompt(
+        messages, tools, template_renders_tools(profile.chat_template)
+    )
     kwargs: dict[str, Any] = {}
     if req.chat_template_kwargs is not None:
         ctk = req.chat_template_kwargs

@@ -25,6 +25,8 @@ class ModelProfile:
     reasoning_parser: str | None = None
     schema_in_prompt: bool = True
     default_max_tokens: int = 1024
+    #: The most calls one choice may make under ``tool_choice: "required"`` (grammar bound).
+    max_tool_calls: int = 4
     max_image_bytes: int = 20 * 1024 * 1024
     chat_template: str | None = None
     template_vars: dict[str, str] = field(default_factory=dict)

@@ -46,7 +46,9 @@ A template source that does not compile is the operator's error: configuration l
 ``InternalError``).
 
 Which tools the template sees (``tools``) is decided by :func:`sieproxy.core.grammar.tool_plan`
-(OpenAI ``{"type": "function", "function": {...}}`` dicts, or ``None``).
+(OpenAI ``{"type": "function", "function": {...}}`` dicts, or ``None``). A template that never
+reads the ``tools`` variable (:func:`template_renders_tools` is false: SmolLM2's) gets them shown
+in a system-message section instead (:func:`sieproxy.core.grammar.with_tools_in_prompt`).
 
 No template configured → :func:`render_fallback`, a plain role-prefixed format (a seam for models
 without a template; see its docstring).
@@ -62,6 +64,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
 import jinja2.utils
@@ -78,6 +81,7 @@ __all__ = [
     "messages_for_template",
     "render_chat",
     "render_fallback",
+    "template_renders_tools",
     "template_takes_content_parts",
 ]
 
@@ -238,6 +242,21 @@ def template_takes_content_parts(source: str) -> bool:
         if isinstance(target, jinja2.nodes.Name) and _is_content_access(assign.node, set()):
             names.add(target.name)
     return any(_is_content_access(loop.iter, names) for loop in tree.find_all(jinja2.nodes.For))
+
+
+@lru_cache(maxsize=64)
+def template_renders_tools(source: str | None) -> bool:
+    """True when the template reads the ``tools`` variable (``None``: the fallback, which does).
+
+    A template that never names ``tools`` cannot show them to the model, whatever it is given.
+    """
+    if source is None:
+        return True
+    try:
+        tree = _ENV.parse(source)
+    except jinja2.TemplateSyntaxError:
+        return True
+    return "tools" in jinja2.meta.find_undeclared_variables(tree)
 
 
 # ---------------------------------------------------------------- message conversion

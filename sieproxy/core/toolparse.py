@@ -16,6 +16,12 @@ Formats
 ``json_array``
     The output is ``[{"name": …, "parameters": {…}}, …]`` (SGLang's grammar-constrained form
     for ``tool_choice`` ``required``/named without a model-native format).
+``smollm2``
+    ``<tool_call>[{"name": …, "arguments": {…}}, …]</tool_call>`` (the xLAM/APIGen form of
+    SmolLM2's function-calling data, which the gateway teaches in the prompt of a template that
+    ignores ``tools``): a JSON array of calls inside the tags; a bare object inside the tags (the
+    ``hermes`` form) is read too. Text before/between/after blocks is content;
+    ``<tool_call>[]</tool_call>`` ("no call") is dropped.
 
 In every format the call object may name its arguments ``arguments`` or ``parameters``.
 
@@ -68,8 +74,12 @@ Decisions
 * **Ids** come from ``id_factory(index)``; the default is deterministic (sans-IO):
   ``"call_" + sha256(seed + ":" + index)[:24]``. Pass a per-choice ``seed`` (request id and
   choice index) so ids differ between responses.
-* ``calls`` counts calls *started* (committed), so a truncated call still makes the finish
-  reason ``tool_calls``.
+* ``calls`` counts calls *started* (committed). ``truncated`` tells the finish-reason mapping
+  that the output ended inside a call: a committed call's object unfinished, or (the array
+  formats) an array left open after ``,`` or inside an element. An array element cut before
+  commit is **dropped** rather than returned as content: inside an array the text is call
+  syntax (grammar-constrained for ``json_array``), never prose, so a ``max_tokens`` cut leaves
+  the complete calls and no fragment such as ``, {"name": "f",``.
 * Extra keys in a call object are ignored; the first ``name`` and the first ``arguments`` /
   ``parameters`` member win.
 """
@@ -89,6 +99,7 @@ __all__ = [
     "HermesToolParser",
     "JsonArrayToolParser",
     "Llama3ToolParser",
+    "SmolLM2ToolParser",
     "default_id_factory",
     "make_tool_parser",
     "merge_tool_calls",
@@ -407,6 +418,8 @@ class _Driver:
         self._obj: _CallScanner | None = None
         self._obj_raw = ""  # text before the object that goes back to content if it fails
         self._obj_started = False
+        self._truncated = False
+        self._array_base = 0  # calls made before the current call array began
         # Held text, in order: ``_raw`` (whitespace runs and punctuation that are dropped if a
         # call follows and are content otherwise; kept as parts so long runs are not re-copied)
         # then ``_hold`` (a proper prefix of a tag).
@@ -418,6 +431,11 @@ class _Driver:
     def calls(self) -> int:
         """Number of tool calls started so far."""
         return self._calls
+
+    @property
+    def truncated(self) -> bool:
+        """The output ended inside a call (known after ``flush``; see the module doc)."""
+        return self._truncated
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         if text:
@@ -467,10 +485,13 @@ class _Driver:
         self._obj_started = False
         self._state = state
 
-    def _feed_object(self, text: str, final: bool) -> tuple[str | None, bool]:
+    def _feed_object(
+        self, text: str, final: bool, *, drop_cut: bool = False
+    ) -> tuple[str | None, bool]:
         """Feed the current object; ``(rest, ok)`` once it is over, ``(None, _)`` meanwhile.
 
-        ``ok`` is False when the object failed before commit (its raw text went to content).
+        ``ok`` is False when the object failed before commit (its raw text went to content,
+        except an object cut by the end of the output when ``drop_cut``: it is dropped).
         """
         obj = self._obj
         assert obj is not None
@@ -493,10 +514,66 @@ class _Driver:
             return obj.buf[obj.stop :], not obj.failed
         if final:
             self._obj = None
-            if not obj.committed:
+            if obj.committed or drop_cut:
+                self._truncated = True
+            else:
                 self._content.append(self._obj_raw + obj.buf)
             return "", obj.committed
         return None, True
+
+
+    # -- a JSON array of call objects (json_array, smollm2) ---------------------------------
+
+    def _open_array(self) -> None:
+        self._raw.append("[")
+        self._array_base = self._calls
+        self._state = self._before_element
+
+    def _array_closed(self, text: str, final: bool) -> str | None:
+        """The state after the array's ``]`` (or where it should have been)."""
+        raise NotImplementedError
+
+    def _array_broken(self, text: str, final: bool) -> str | None:
+        """The state after an array element that is not a call."""
+        raise NotImplementedError
+
+    def _before_element(self, text: str, final: bool) -> str | None:
+        # After "[" or ",": whitespace, then "{" (or "]"). _raw has the raw text so far.
+        rest = self._skip_ws(text)
+        if rest.startswith("{"):
+            self._begin_object(self._take_raw(), self._in_element)
+            return rest
+        if rest.startswith("]"):
+            self._raw.clear()
+            self._state = self._array_closed
+            return rest[1:]
+        if rest or final:
+            raw = self._take_raw()
+            if rest or self._calls == self._array_base:
+                self._content.append(raw)
+            else:
+                self._truncated = True  # cut after ",", before the next element began
+            self._state = self._array_broken
+            return rest
+        return None
+
+    def _in_element(self, text: str, final: bool) -> str | None:
+        rest, ok = self._feed_object(text, final, drop_cut=True)
+        if rest is None:
+            return None
+        self._state = self._after_element if ok else self._array_broken
+        return rest
+
+    def _after_element(self, text: str, final: bool) -> str | None:
+        rest = text[_TAIL_RUN.match(text).end() :]  # type: ignore[union-attr]
+        if not rest:
+            return None
+        if rest[0] == ",":
+            self._raw.append(",")
+            self._state = self._before_element
+            return rest[1:]
+        self._state = self._array_closed
+        return rest[1:] if rest[0] == "]" else rest
 
 
 class HermesToolParser(_Driver):
@@ -519,13 +596,18 @@ class HermesToolParser(_Driver):
             self._raw.append(buf[len(kept) : cut])
         if at >= 0:
             self._raw.append(self.OPEN)
-            self._begin_object(self._take_raw(), self._in_block)
+            self._state = self._block_start
             return buf[at + len(self.OPEN) :]
         if final:
             self._content.append(self._take_raw())
         else:
             self._hold = buf[cut:]
         return None
+
+    def _block_start(self, text: str, final: bool) -> str | None:
+        # After the opening tag (which is in _raw with the whitespace before it).
+        self._begin_object(self._take_raw(), self._in_block)
+        return text
 
     def _in_block(self, text: str, final: bool) -> str | None:
         rest, ok = self._feed_object(text, final)
@@ -619,56 +701,47 @@ class JsonArrayToolParser(_Driver):
     def _initial(self, text: str, final: bool) -> str | None:
         rest = self._skip_ws(text)
         if rest.startswith("["):
-            self._raw.append("[")
-            self._state = self._before_element
+            self._open_array()
             return rest[1:]
         if rest or final:
             self._state = self._content_state
             return self._take_raw() + rest
         return None
 
-    def _before_element(self, text: str, final: bool) -> str | None:
-        # After "[" or ",": whitespace, then "{" (or "]"). _raw has the raw text so far.
-        rest = self._skip_ws(text)
-        if rest.startswith("{"):
-            self._begin_object(self._take_raw(), self._in_element)
-            return rest
-        if rest.startswith("]"):
-            self._raw.clear()
-            self._state = self._after_array
-            return rest[1:]
-        if rest or final:
-            raw = self._take_raw()
-            if rest or not self._calls:
-                self._content.append(raw)
-            self._state = self._content_state
-            return rest
-        return None
-
-    def _in_element(self, text: str, final: bool) -> str | None:
-        rest, ok = self._feed_object(text, final)
-        if rest is None:
-            return None
-        self._state = self._after_element if ok else self._content_state
-        return rest
-
-    def _after_element(self, text: str, final: bool) -> str | None:
-        rest = text[_TAIL_RUN.match(text).end() :]  # type: ignore[union-attr]
-        if not rest:
-            return None
-        if rest[0] == ",":
-            self._raw.append(",")
-            self._state = self._before_element
-            return rest[1:]
-        self._state = self._after_array
-        return rest[1:] if rest[0] == "]" else rest
-
-    def _after_array(self, text: str, final: bool) -> str | None:
+    def _array_closed(self, text: str, final: bool) -> str | None:
         rest = text.lstrip(_WS)
         if not rest:
             return None
         self._state = self._content_state
         return rest
+
+    def _array_broken(self, text: str, final: bool) -> str | None:
+        return self._content_state(text, final)
+
+
+class SmolLM2ToolParser(HermesToolParser):
+    """``<tool_call>[{json}, …]</tool_call>`` blocks (a bare object is read too); module doc."""
+
+    def _block_start(self, text: str, final: bool) -> str | None:
+        # After the opening tag: "[" (the array form) or "{" (one call, the hermes form).
+        rest = self._skip_ws(text)
+        if rest.startswith("["):
+            self._open_array()
+            return rest[1:]
+        if rest.startswith("{"):
+            self._begin_object(self._take_raw(), self._in_block)
+            return rest
+        if rest or final:
+            self._content.append(self._take_raw())
+            self._state = self._initial
+            return rest
+        return None
+
+    def _array_closed(self, text: str, final: bool) -> str | None:
+        return self._after_object(text, final)
+
+    def _array_broken(self, text: str, final: bool) -> str | None:
+        return self._initial(text, final)
 
 
 #: Parser names (normalised: lower case, ``-`` → ``_``) and their classes.
@@ -678,6 +751,7 @@ TOOL_PARSERS: dict[str, type[_Driver]] = {
     "qwen": HermesToolParser,
     "llama3": Llama3ToolParser,
     "json_array": JsonArrayToolParser,
+    "smollm2": SmolLM2ToolParser,
 }
 
 

@@ -41,6 +41,10 @@ class FakeTools:
     def calls(self) -> int:
         return self._calls
 
+    @property
+    def truncated(self) -> bool:
+        return self.flushed and self.inside
+
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         content: list[str] = []
         deltas: list[ToolCallDelta] = []

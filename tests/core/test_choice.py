@@ -163,12 +163,38 @@ def test_tool_calls() -> None:
     ]
 
 
-def test_tool_call_cut_by_length_is_tool_calls() -> None:
+def test_tool_call_cut_by_length_is_length() -> None:
     c = ChoiceState(0, tools=FakeTools, collect=False)
     c.feed(d("{partial", 1))
     c.finish(fin("length", 1))
-    assert c.finish_reason == "tool_calls"
+    assert c.finish_reason == "length"
     assert c.tool_calls == []  # not collected when streaming
+
+
+def test_length_after_complete_calls_is_tool_calls() -> None:
+    c = ChoiceState(0, tools=FakeTools)
+    c.feed(d("{ab} trailing", 1))
+    c.finish(fin("length", 1))
+    assert c.finish_reason == "tool_calls"
+    assert [t.name for t in c.tool_calls] == ["fn"]
+
+
+def test_forced_call_list_cut_by_length_is_length_with_the_complete_calls() -> None:
+    from functools import partial
+
+    from sieproxy.core.toolparse import make_tool_parser
+
+    tools = partial(make_tool_parser, "json_array", tool_names={"get_weather"})
+    c = ChoiceState(0, tools=tools)  # type: ignore[arg-type]
+    c.feed(d('[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_w', 30))
+    c.finish(fin("length", 30))
+    assert c.finish_reason == "length"
+    assert c.content == ""
+    assert [(t.name, t.arguments) for t in c.tool_calls] == [("get_weather", '{"city": "Paris"}')]
+    done = ChoiceState(0, tools=tools)  # type: ignore[arg-type]
+    done.feed(d('[{"name": "get_weather", "parameters": {"city": "Paris"}}]', 20))
+    done.finish(fin("stop", 20))
+    assert done.finish_reason == "tool_calls" and done.content == ""
 
 
 @pytest.mark.parametrize(
@@ -186,6 +212,15 @@ def test_tool_call_cut_by_length_is_tool_calls() -> None:
 )
 def test_finish_mapping(reason: str, stop: bool, tools: bool, expected: str) -> None:
     assert openai_finish_reason(reason, stop_matched=stop, tool_calls=tools) == expected
+
+
+@pytest.mark.parametrize(
+    "reason,stop,expected",
+    [("length", False, "length"), ("stop", False, "tool_calls"), ("length", True, "tool_calls")],
+)
+def test_finish_mapping_of_a_cut_call(reason: str, stop: bool, expected: str) -> None:
+    got = openai_finish_reason(reason, stop_matched=stop, tool_calls=True, call_cut=True)
+    assert got == expected
 
 
 def test_illegal_transitions_leave_failed() -> None:

@@ -18,7 +18,9 @@ from sieproxy.core.grammar import (
     tool_constraint,
     tool_plan,
     tool_structural_tag,
+    tools_section,
     with_schema_in_prompt,
+    with_tools_in_prompt,
 )
 from sieproxy.core.profile import ModelProfile
 from sieproxy.core.request import ValidChat
@@ -151,7 +153,7 @@ def test_required_uses_the_json_array_constraint(profile: ModelProfile) -> None:
     assert plan.parser == JSON_ARRAY_PARSER
     assert plan.constraint is not None and plan.constraint[0] == "json_schema"
     schema = json.loads(plan.constraint[1])
-    assert schema["minItems"] == 1 and "maxItems" not in schema
+    assert schema["minItems"] == 1 and schema["maxItems"] == profile.max_tool_calls == 4
     names = [b["properties"]["name"]["enum"] for b in schema["items"]["anyOf"]]
     assert names == [["get_weather"], ["ping"]]
     assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {
@@ -177,6 +179,25 @@ def test_named_choice_allows_and_shows_only_that_function() -> None:
     with pytest.raises(InvalidRequest) as info:
         tool_plan(bad, QWEN)
     assert info.value.param == "tool_choice"
+
+
+def test_required_is_bounded_by_the_profile_cap_and_a_named_function_by_one() -> None:
+    capped = ModelProfile(name="m", max_tool_calls=2)
+    required = valid_chat(tools=[WEATHER, NOARGS], tool_choice="required")
+    schema = json.loads(tool_plan(required, capped).constraint[1])  # type: ignore[index]
+    assert schema["maxItems"] == 2
+    serial = valid_chat(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    assert json.loads(tool_plan(serial, capped).constraint[1])["maxItems"] == 1  # type: ignore[index]
+    # A named function forces exactly one call, even with parallel calls allowed.
+    for parallel in (None, True):
+        body: dict[str, Any] = {"parallel_tool_calls": parallel} if parallel else {}
+        named = valid_chat(
+            tools=[WEATHER, NOARGS],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            **body,
+        )
+        schema = json.loads(tool_plan(named, PLAIN).constraint[1])  # type: ignore[index]
+        assert schema["minItems"] == 1 and schema["maxItems"] == 1
 
 
 def test_json_array_schema_is_valid_json_schema_and_means_what_it_says() -> None:
@@ -230,6 +251,18 @@ def test_strict_auto_tools_get_a_structural_tag_with_native_parsers() -> None:
     assert tool_plan(valid_chat(tools=[WEATHER]), QWEN).constraint is None
 
 
+def test_smollm2_auto_calls_are_always_constrained_once_opened() -> None:
+    smol = ModelProfile(name="s", tool_parser="smollm2")
+    plan = tool_plan(valid_chat(tools=[WEATHER, NOARGS]), smol)  # no strict tool
+    assert plan.constraint is not None and plan.constraint[0] == "structural_tag"
+    tag = json.loads(plan.constraint[1])
+    assert tag["triggers"] == ["<tool_call>"]
+    first = tag["structures"][0]
+    assert first["begin"] == '<tool_call>[{"name": "get_weather", "arguments": '
+    assert first["schema"] == WEATHER["function"]["parameters"]  # type: ignore[index]
+    assert first["end"] == "}]</tool_call>"
+
+
 def _xgrammar() -> Any:
     return pytest.importorskip("xgrammar")
 
@@ -249,7 +282,28 @@ def test_xgrammar_compiles_and_accepts_the_json_array_constraint() -> None:
     assert not _is_grammar_accept_string(grammar, '[{"name": "pong", "parameters": {}}]')
 
 
-@pytest.mark.parametrize("profile", [QWEN, HERMES])
+def test_xgrammar_ends_the_call_list_at_the_cap_and_allows_closing_after_each_call() -> None:
+    xgr = _xgrammar()
+    from xgrammar.testing import _is_grammar_accept_string
+
+    call = '{"name": "ping", "parameters": {}}'
+    capped = ModelProfile(name="m", max_tool_calls=3)
+    required = valid_chat(tools=[WEATHER, NOARGS], tool_choice="required")
+    grammar = xgr.Grammar.from_json_schema(tool_plan(required, capped).constraint[1])  # type: ignore[index]
+    for k in (1, 2, 3):
+        assert _is_grammar_accept_string(grammar, "[" + ", ".join([call] * k) + "]"), k
+    assert not _is_grammar_accept_string(grammar, "[" + ", ".join([call] * 4) + "]")
+    ping = {"type": "function", "function": {"name": "ping"}}
+    named = valid_chat(tools=[NOARGS], tool_choice=ping)
+    grammar = xgr.Grammar.from_json_schema(tool_plan(named, capped).constraint[1])  # type: ignore[index]
+    assert _is_grammar_accept_string(grammar, f"[{call}]")
+    assert not _is_grammar_accept_string(grammar, f"[{call}, {call}]")
+
+
+SMOL = ModelProfile(name="s", tool_parser="smollm2")
+
+
+@pytest.mark.parametrize("profile", [QWEN, HERMES, SMOL])
 def test_xgrammar_compiles_and_accepts_the_structural_tag(profile: ModelProfile) -> None:
     xgr = _xgrammar()
     from xgrammar.structural_tag import StructuralTagItem
@@ -262,10 +316,11 @@ def test_xgrammar_compiles_and_accepts_the_structural_tag(profile: ModelProfile)
     tag = json.loads(tool_structural_tag(tools, profile.tool_parser))
     items = [StructuralTagItem(**s) for s in tag["structures"]]
     grammar = xgr.Grammar.from_structural_tag(items, tag["triggers"])
-    nl = "" if profile.tool_parser == "hermes" else "\n"
-    call = (
-        f'<tool_call>{nl}{{"name": "book", "arguments": {{"when": {{"day": 2}}}}}}{nl}</tool_call>'
-    )
+    nl = "" if profile.tool_parser in ("hermes", "smollm2") else "\n"
+    obj = '{"name": "book", "arguments": {"when": {"day": 2}}}'
+    if profile.tool_parser == "smollm2":
+        obj = f"[{obj}]"
+    call = f"<tool_call>{nl}{obj}{nl}</tool_call>"
     assert _is_grammar_accept_string(grammar, "Sure. " + call)
     assert _is_grammar_accept_string(grammar, "No call at all.")
     bad = call.replace('{"day": 2}', '{"day": "two"}')
@@ -361,3 +416,92 @@ def test_schema_in_prompt_switches() -> None:
     # only json_schema formats are shown
     assert _with(valid_chat(response_format={"type": "json_object"})) == USER
     assert _with(valid_chat(response_format={"type": "text"})) == USER
+
+
+# ---------------------------------------------------------------- tools in prompt
+
+UNIT = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "days": {"type": ["integer", "null"]},
+                "unit": {"type": "string"},
+            },
+            "required": ["city", "days"],
+        },
+    },
+}
+
+
+def test_tools_section_text() -> None:
+    text = tools_section([UNIT, NOARGS], "smollm2")
+    assert text == "\n".join(
+        [
+            "# Tools",
+            "",
+            "You can call these tools:",
+            "<tools>",
+            json.dumps(UNIT["function"], separators=(",", ":")),
+            '{"name":"ping"}',
+            "</tools>",
+            "",
+            "To call a tool, reply with only the call, in this format:",
+            '<tool_call>[{"name": "get_weather", "arguments": {"city": "...", "days": 0}}]'
+            "</tool_call>",
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("parser", "example"),
+    [
+        ("hermes", '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'),
+        ("qwen25", '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'),
+        ("llama3", '{"name": "ping", "parameters": {}}'),
+        (JSON_ARRAY_PARSER, '[{"name": "ping", "parameters": {}}]'),
+        ("smollm2", '<tool_call>[{"name": "ping", "arguments": {}}]</tool_call>'),
+    ],
+)
+def test_tools_section_example_follows_the_parser(parser: str, example: str) -> None:
+    from sieproxy.core.toolparse import make_tool_parser, parse_all
+
+    text = tools_section([NOARGS], parser)
+    assert text.endswith("in this format:\n" + example)
+    # the example is a call the parser reads
+    tp = make_tool_parser(parser, tool_names={"ping"})
+    assert tp is not None
+    assert parse_all(tp, example)[1][0]["function"]["name"] == "ping"
+
+
+def test_tools_section_without_a_known_format_only_lists_the_tools() -> None:
+    assert tools_section([NOARGS], None).endswith('<tools>\n{"name":"ping"}\n</tools>')
+
+
+def test_tools_shown_only_when_the_template_ignores_them() -> None:
+    smol = ModelProfile(name="s", tool_parser="smollm2")
+    auto = tool_plan(valid_chat(tools=[WEATHER]), smol)
+    msgs = [{"role": "system", "content": "Be brief."}, *USER]
+    out = with_tools_in_prompt(msgs, auto, template_renders_tools=False)
+    assert out[0]["content"] == "Be brief.\n\n" + tools_section([WEATHER], "smollm2")
+    # under "auto", a one-turn example of a call follows the system message
+    example = '<tool_call>[{"name": "get_weather", "arguments": {"city": "..."}}]</tool_call>'
+    assert out[1:3] == [
+        {"role": "user", "content": "Call get_weather."},
+        {"role": "assistant", "content": example},
+    ]
+    assert out[3:] == USER and msgs[0]["content"] == "Be brief."
+    described = valid_chat(tools=[UNIT], tool_choice="auto")
+    out = with_tools_in_prompt(USER, tool_plan(described, smol), template_renders_tools=False)
+    assert out[1]["content"] == "Weather in a city" and out[3:] == USER
+    assert with_tools_in_prompt(msgs, auto, template_renders_tools=True) is msgs
+    # forced calls: the example is the JSON-array form the grammar imposes
+    forced = tool_plan(valid_chat(tools=[WEATHER], tool_choice="required"), smol)
+    out = with_tools_in_prompt(USER, forced, template_renders_tools=False)
+    assert out[0] == {"role": "system", "content": tools_section([WEATHER], JSON_ARRAY_PARSER)}
+    none = tool_plan(valid_chat(tools=[WEATHER], tool_choice="none"), smol)
+    assert with_tools_in_prompt(USER, none, template_renders_tools=False) is USER

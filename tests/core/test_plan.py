@@ -217,6 +217,36 @@ def test_tools_and_parsers() -> None:
     assert all("json_schema" in b["sampling_params"] for b in req.bodies)
 
 
+SMOL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tools_reach_the_prompt_of_a_template_that_ignores_them() -> None:
+    smol = ModelProfile(name="s", chat_template=SMOL_TEMPLATE, tool_parser="smollm2")
+    weather = json.dumps(WEATHER["function"], separators=(",", ":"))
+    auto = plan(valid_chat(tools=[WEATHER]), smol)
+    assert auto.prompt.startswith("<|im_start|>system\n# Tools\n\n")
+    assert weather in auto.prompt
+    example = '<tool_call>[{"name": "get_weather", "arguments": {"city": "..."}}]</tool_call>'
+    assert example in auto.prompt
+    assert auto.tool_parser == "smollm2"
+    ping = {"type": "function", "function": {"name": "ping"}}
+    named = plan(
+        valid_chat(
+            tools=[WEATHER, ping], tool_choice={"type": "function", "function": {"name": "ping"}}
+        ),
+        smol,
+    )
+    assert '[{"name": "ping", "parameters": {}}]' in named.prompt
+    assert "get_weather" not in named.prompt
+    assert "# Tools" not in plan(valid_chat(tools=[WEATHER], tool_choice="none"), smol).prompt
+    assert "# Tools" not in plan(valid_chat(), smol).prompt
+    # a template that renders `tools` itself gets no section
+    assert "# Tools" not in plan(valid_chat(tools=[WEATHER])).prompt
+
+
 def test_reasoning_open_when_the_template_starts_thinking() -> None:
     assert plan(valid_chat(chat_template_kwargs={"enable_thinking": False})).reasoning_open is False
     profile = ModelProfile(

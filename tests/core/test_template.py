@@ -20,6 +20,7 @@ from sieproxy.core.template import (
     messages_for_template,
     render_chat,
     render_fallback,
+    template_renders_tools,
     template_takes_content_parts,
 )
 
@@ -414,3 +415,11 @@ def test_fallback_without_template() -> None:
     assert '<|assistant|>\n{"name":"get_weather","arguments":{"city":"Zürich"}}\n' in got
     assert got.endswith("<|user|>\nThanks!\n<|assistant|>\n")
     assert not render_fallback(msgs, add_generation_prompt=False).endswith("<|assistant|>\n")
+
+
+def test_template_renders_tools_tells_which_templates_show_tools(smollm2: str) -> None:
+    assert template_renders_tools(smollm2) is False  # SmolLM2's template ignores `tools`
+    assert template_renders_tools(QWEN25) is True
+    assert template_renders_tools("{% if tools %}{{ tools | tojson }}{% endif %}") is True
+    assert template_renders_tools("{% for m in messages %}{{ m.content }}{% endfor %}") is False
+    assert template_renders_tools(None) is True  # the fallback lists them itself

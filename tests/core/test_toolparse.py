@@ -48,6 +48,7 @@ class Run:
     content: str = ""
     deltas: list[ToolCallDelta] = field(default_factory=list)
     calls: int = 0
+    truncated: bool = False
 
     def merged(self) -> tuple[str, str, list[dict[str, Any]]]:
         return self.reasoning, self.content, merge_tool_calls(self.deltas)
@@ -71,6 +72,7 @@ def run_case(case: dict[str, Any], chunks: list[str]) -> Run:
             out.content += content
             out.deltas += deltas
             out.calls = tp.calls
+            out.truncated = tp.truncated
 
     for chunk in chunks:
         if rp is None:
@@ -115,6 +117,8 @@ def check_expected(case: dict[str, Any], run: Run) -> None:
     assert run.content == exp["content"]
     calls = merge_tool_calls(run.deltas)
     assert len(calls) == len(exp["tool_calls"]) == run.calls
+    if "truncated" in exp:
+        assert run.truncated is exp["truncated"]
     ids = default_id_factory(SEED)
     for i, (got, want) in enumerate(zip(calls, exp["tool_calls"], strict=True)):
         assert got["id"] == ids(i)
@@ -132,7 +136,7 @@ def check_expected(case: dict[str, Any], run: Run) -> None:
 
 def test_recorded_outputs_exist() -> None:
     assert len(TOOL_CASES) >= 20
-    for fmt in ("hermes", "qwen25", "qwen", "llama3", "json_array"):
+    for fmt in ("hermes", "qwen25", "qwen", "llama3", "json_array", "smollm2"):
         assert any(CASES[k]["tool_parser"] == fmt for k in TOOL_CASES), fmt
 
 
@@ -214,6 +218,7 @@ def test_arbitrary_text_split_invariant(fmt: str, text: str, cuts: list[int]) ->
         check_protocol(run.deltas)
         assert run.merged() == whole.merged()
         assert run.calls == whole.calls
+        assert run.truncated == whole.truncated
     if not whole.deltas and fmt == "llama3":  # no call: the output is content, verbatim
         assert whole.content == text
 
@@ -318,7 +323,8 @@ def test_llama3_trailing_semicolon_dropped() -> None:
 
 def test_registry() -> None:
     assert make_tool_parser(None, tool_names=set()) is None
-    for name in ("hermes", "qwen25", "qwen", "QWEN25", "llama3", "json_array", "json-array"):
+    for name in ("hermes", "qwen25", "qwen", "QWEN25", "llama3", "json_array", "json-array",
+                 "smollm2", "SmolLM2"):  # fmt: skip
         assert make_tool_parser(name, tool_names={"f"}) is not None
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         make_tool_parser("mistral", tool_names=set())

@@ -109,7 +109,9 @@ class CpuGateway:
 
 
 @contextlib.asynccontextmanager
-async def cpu_gateway(engine: CpuEngine) -> AsyncIterator[CpuGateway]:
+async def cpu_gateway(
+    engine: CpuEngine, *, tool_parser: str | None = None
+) -> AsyncIterator[CpuGateway]:
     """A real gateway (Hypercorn on a loopback port) in front of the CPU engine, its chat
     template read from the converted model directory (``tokenizer``)."""
     settings = Settings(
@@ -122,7 +124,11 @@ async def cpu_gateway(engine: CpuEngine) -> AsyncIterator[CpuGateway]:
             health_timeout=120.0,
             admission_wait=60.0,
         ),
-        models={MODEL: ModelSettings(engines=[engine.url], tokenizer=engine.model_dir)},
+        models={
+            MODEL: ModelSettings(
+                engines=[engine.url], tokenizer=engine.model_dir, tool_parser=tool_parser
+            )
+        },
     )
     async with trio.open_nursery() as nursery:
         app = build_app(settings)

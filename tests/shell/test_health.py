@@ -344,7 +344,10 @@ async def test_failing_requests_open_breaker_and_a_passing_check_closes_it(
                 r = await chat(gw, routing_key=key)
                 assert r.status_code == 200, r.text  # retried on the other replica
                 assert served_by(gw, r.headers["x-request-id"]) == [0, 1]
-            assert not up(gw, 0), "two failed requests in a row must open the breaker"
+            # (not "up" here: a check 0.05 s later may already have closed it again)
+            assert f"replica {url} of {MODEL} taken out for 30.0 s after 2 failed requests" in [
+                r.getMessage() for r in caplog.records
+            ], "two failed requests in a row must open the breaker"
             opened = trio.current_time()
             # health_interval is 0.05 s: the next passing check closes it, well before 30 s.
             await wait_until(lambda: up(gw, 0), timeout=5)
@@ -352,7 +355,9 @@ async def test_failing_requests_open_breaker_and_a_passing_check_closes_it(
             r = await chat(gw, routing_key=key)  # half-open: one more failure re-opens it
             assert r.status_code == 200, r.text
             assert served_by(gw, r.headers["x-request-id"]) == [0, 1]
-            assert not up(gw, 0)
+            assert f"replica {url} of {MODEL} taken out for 60.0 s after 2 failed requests" in [
+                r.getMessage() for r in caplog.records
+            ]
             script.fault = None
             await wait_until(lambda: up(gw, 0), timeout=5)
             r = await chat(gw, routing_key=key)

@@ -126,7 +126,12 @@ class ModelPool:
         self.waiting = 0
         self.unserved = {"no_ready_replica": 0, "at_capacity": 0}
         self.replicas = [
-            Replica(url=s.url.rstrip("/"), pool=s.pool, machine_profile=s.machine_profile)
+            Replica(
+                url=s.url.rstrip("/"),
+                pool=s.pool,
+                machine_profile=s.machine_profile,
+                protocol=s.protocol,
+            )
             for s in specs
         ]
         self._labels()
@@ -162,6 +167,7 @@ class ModelPool:
                 r = Replica(url=url)
                 added.append(r)
             r.pool, r.machine_profile = spec.pool, spec.machine_profile
+            r.protocol = spec.protocol
             keep.append(r)
         for r in old.values():
             r.retired = True

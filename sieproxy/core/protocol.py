@@ -106,9 +106,10 @@ class EngineProtocol(Protocol):
 
 
 def _registry() -> dict[str, EngineProtocol]:
+    from .openai_upstream import OPENAI
     from .sglang import SGLANG
 
-    return {SGLANG.name: SGLANG}
+    return {SGLANG.name: SGLANG, OPENAI.name: OPENAI}
 
 
 #: The protocols by configuration name.

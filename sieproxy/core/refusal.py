@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import GatewayError, InvalidRequest, RequestError
+from .errors import EngineStreamError, GatewayError, InvalidRequest, RequestError
 
 __all__ = [
     "ContextLengthExceeded",
@@ -43,6 +43,7 @@ __all__ = [
     "RequestFields",
     "classify",
     "engine_message",
+    "engine_stream_error",
     "explain",
     "logit_bias_out_of_vocab",
     "max_tokens_over_context",
@@ -215,3 +216,21 @@ def max_tokens_over_context(param: str, value: int, context_length: int) -> Cont
         f"tokens, prompt included; set `{param}` to less than {context_length}.",
         param=param,
     )
+
+
+def engine_stream_error(error: Any) -> EngineStreamError:
+    """The error for an ``{"error": ...}`` payload in an engine's stream (either protocol): a
+    400 refusal, classified, when its code is 4xx, else the engine failing. The engine's text
+    is never echoed."""
+    code = error.get("code") if isinstance(error, dict) else None
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 500:
+        err = EngineStreamError(
+            "The engine refused the request; check that the prompt and max_tokens fit the "
+            "model's context."
+        )
+        err.status = 400
+        err.type = "invalid_request_error"
+        err.code = "invalid_request"
+        err.refusal = classify(engine_message({"error": error}))
+        return err
+    return EngineStreamError("The engine failed while generating; retry the request.")

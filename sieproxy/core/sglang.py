@@ -86,13 +86,12 @@ from .choice import ChoicePhase, ChoiceState
 from .errors import (
     EngineAborted,
     EngineMalformed,
-    EngineStreamError,
     EngineTruncated,
     GatewayError,
 )
 from .events import CandidateDelta, CandidateFinish, TokenLogprob, TopLogprob
 from .merger import StreamPhase, StreamShaper
-from .refusal import classify, engine_message
+from .refusal import classify, engine_stream_error
 from .sse import SSEDecoder
 
 __all__ = [
@@ -142,27 +141,12 @@ def _decode(payload: str | bytes) -> tuple[str, _Meta]:
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise EngineMalformed() from exc
     if chunk.error is not msgspec.UNSET and chunk.error is not None:
-        raise _stream_error(chunk.error)
+        raise engine_stream_error(chunk.error)
     if chunk.object == "error":  # FastAPI/HTTPException shape: {"object":"error","code":N,...}
-        raise _stream_error({"code": chunk.code, "message": chunk.message})
+        raise engine_stream_error({"code": chunk.code, "message": chunk.message})
     if isinstance(chunk.text, msgspec.UnsetType) or isinstance(chunk.meta_info, msgspec.UnsetType):
         raise EngineMalformed()
     return chunk.text, chunk.meta_info
-
-
-def _stream_error(error: Any) -> EngineStreamError:
-    code = error.get("code") if isinstance(error, dict) else None
-    if isinstance(code, int) and _is_int(code) and 400 <= code < 500:
-        err = EngineStreamError(
-            "The engine refused the request; check that the prompt and max_tokens fit the "
-            "model's context."
-        )
-        err.status = 400
-        err.type = "invalid_request_error"
-        err.code = "invalid_request"
-        err.refusal = classify(engine_message({"error": error}))
-        return err
-    return EngineStreamError("The engine failed while generating; retry the request.")
 
 
 def _aborted(status: int, message: Any = None) -> EngineAborted:

@@ -114,24 +114,42 @@ async def test_best_of_ranks_by_the_upstream_logprobs() -> None:
         client.close()
 
 
-async def test_disconnect_closes_every_candidates_connection() -> None:
+@pytest.mark.parametrize("n", [1, 3], ids=["inline", "channel"])
+async def test_disconnect_closes_every_candidates_connection(n: int) -> None:
     engine = FakeEngine(DefaultScript(tokens=400, itl=0.01))
     async with running_gateway(engine, protocol="openai") as gw:
         with trio.fail_after(20):
             async with gw.client.stream(
                 "POST", "/v1/chat/completions",
-                json={"model": MODEL, "messages": MSGS, "stream": True, "n": 3,
+                json={"model": MODEL, "messages": MSGS, "stream": True, "n": n,
                       "max_tokens": 400},
             ) as r:  # fmt: skip
                 assert r.status_code == 200
                 seen = 0
                 async for line in r.aiter_lines():
                     seen += line.startswith("data: ")
-                    if seen >= 8:
+                    if seen >= n + 5:
                         break
         with trio.fail_after(10):
-            await engine.wait_for(lambda: not engine.running and len(engine.cancelled) == 3)
+            await engine.wait_for(lambda: not engine.running and len(engine.cancelled) == n)
         assert not engine.finished and not engine.aborts  # no /abort_request: the close is it
+
+
+HANGS = [Fault.hang(before_headers=True), Fault.hang(0), Fault.hang(2)]
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["inline", "channel"])
+@pytest.mark.parametrize("fault", HANGS, ids=["before_headers", "first_token", "between"])
+async def test_a_hung_engine_times_out_and_its_connections_close(fault: Fault, n: int) -> None:
+    engine = FakeEngine(lambda call: Plan(tokens=[" w0", " w1", " w2", " w3"], fault=fault))
+    async with running_gateway(engine, protocol="openai", token_gap_timeout=0.5) as gw:
+        with trio.fail_after(8):
+            r = await gw.chat(model=MODEL, messages=MSGS, stream=False, n=n, max_tokens=10)
+        assert r.status_code == 504, r.text
+        assert r.json()["error"]["code"] == "upstream_timeout"
+        with trio.fail_after(10):
+            await engine.wait_for(lambda: not engine.running and len(engine.cancelled) == n)
+        assert not engine.aborts
 
 
 @pytest.mark.parametrize(
@@ -144,11 +162,13 @@ async def test_disconnect_closes_every_candidates_connection() -> None:
     ],
     ids=["error_500", "error_400", "eof", "malformed"],
 )
+@pytest.mark.parametrize("protocol", ["sglang", "openai"])
 async def test_a_mid_stream_engine_failure_is_an_sse_error_then_done(
-    fault: Fault, code: str
+    fault: Fault, code: str, protocol: str
 ) -> None:
+    """The same faults give the client the same answer through either protocol."""
     engine = FakeEngine(lambda call: Plan(tokens=[" w0", " w1", " w2", " w3"], fault=fault))
-    async with running_gateway(engine, protocol="openai") as gw:
+    async with running_gateway(engine, protocol=protocol) as gw:
         r = await gw.chat(model=MODEL, messages=MSGS, stream=True, max_tokens=10)
         assert r.status_code == 200, r.text
         events = sse_events(r.text)

@@ -157,7 +157,7 @@ class SimClient:
     def __init__(self, engines: dict[str, SimEngine]) -> None:
         self.engines = engines
 
-    async def health(self, url: str) -> bool:
+    async def health(self, url: str, paths: tuple[str, ...] = ("/health",)) -> bool:
         return True
 
     async def server_info(self, url: str) -> dict[str, Any]:

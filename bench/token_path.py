@@ -6,7 +6,7 @@
 ``TOKENS`` tokens through ``GenerationBody.ride()`` — the relay pump's step, which carries
 nearly every token of a streamed ``n`` = 1 response (sieproxy/pump.py). Each step runs the
 real code: the engine's HTTP/1.1 chunk framing (``core.http1``), SSE (``core.sse``), SGLang's
-``/generate`` chunk (``core.upstream``), the choice and the chunk shaper (``core.choice``,
+``/generate`` chunk (``core.sglang``), the choice and the chunk shaper (``core.choice``,
 ``core.merger``), the client's chunk framing (``hypercorn_io.ChunkWriter``). Only the two ends
 are stand-ins: the engine connection hands out bytes recorded in SGLang's format (what the
 bench's engines send), and the client connection takes every write whole. So what is measured
@@ -50,7 +50,12 @@ import trio  # noqa: E402
 from sieproxy.core.http1 import ResponseParser  # noqa: E402
 from sieproxy.core.pipeline import build_chat  # noqa: E402
 from sieproxy.core.sse import SSEDecoder  # noqa: E402
-from sieproxy.core.upstream import GenerateReader  # noqa: E402
+
+try:  # the SGLang protocol's reader (``core.sglang``)
+    from sieproxy.core.sglang import NativeReader
+except ImportError:  # a revision before the protocol seam: reader and decoder apart
+    NativeReader = None  # type: ignore[assignment,misc]
+    from sieproxy.core.upstream import GenerateReader  # type: ignore[import-not-found,no-redef]
 from sieproxy.engine_client import UpstreamResponse  # noqa: E402
 from sieproxy.hypercorn_io import ChunkWriter  # noqa: E402
 from sieproxy.pool import Replica, RouteHints  # noqa: E402
@@ -132,8 +137,12 @@ def _stream(state: Any, k: int) -> tuple[GenerationBody, _Client]:
     il = body._il
     assert il is not None
     il.resp = UpstreamResponse(_Engine(), parser, b"")  # type: ignore[arg-type]
-    il.reader = GenerateReader(incremental=True)
-    il.decoder = SSEDecoder(state.settings.gateway.max_sse_line_bytes)
+    max_line = state.settings.gateway.max_sse_line_bytes
+    if NativeReader is not None:
+        il.reader = NativeReader(incremental=True, max_line=max_line)
+    else:
+        il.reader = GenerateReader(incremental=True)
+        il.decoder = SSEDecoder(max_line)  # type: ignore[attr-defined]
     body.carry(out)  # the response head is out: the pump may relay (as the route does)
     return body, client
 

@@ -22,6 +22,11 @@ parsed request as a script sees it — and handed to the engine's *script*, any 
   what :attr:`FakeEngine.load` scripts (``(running, waiting)``); ``reports_load = False``
   makes both 404 (an engine that reports no load).
 
+``/v1/completions`` is the OpenAI-compatible mode (the gateway's ``protocol = "openai"``): one
+streamed prompt with ``n`` = 1, the same scripts and faults, framed as ``text_completion`` chunks
+with a usage chunk before ``[DONE]`` (``stream_options.include_usage``); it has no rid, so a
+request is recorded under a generated ``cmpl-`` id and a closed connection is its abort.
+
 Wire framing is exactly SGLang's: ``data: <compact json>\\n\\n`` per chunk, ``data: [DONE]\\n\\n``.
 The native ``/generate`` supports one prompt with ``n`` absent or 1: batches and ``n > 1`` get a
 400 (the gateway fans out itself and never sends them). ``/v1/chat/completions`` supports ``n``.
@@ -686,6 +691,8 @@ class FakeEngine:
                 await self._generate(conn, req)
             elif path == "/v1/chat/completions" and method == "POST":
                 await self._chat(conn, req)
+            elif path == "/v1/completions" and method == "POST":
+                await self._completions(conn, req)
             elif path == "/abort_request" and method == "POST":
                 await self._abort(conn, req)
             elif path in ("/health", "/health_generate", "/ready") and method == "GET":
@@ -913,6 +920,49 @@ class FakeEngine:
             text_in_logprobs=body.get("return_text_in_logprobs") is True,
             no_stop_trim=sp.get("no_stop_trim") is True,
         )
+        await self._run_generation(conn, call, gen)
+
+    # -- /v1/completions (the OpenAI-compatible mode) ----------------------------------------
+
+    async def _completions(self, conn: HTTPConnection, req: HTTPRequest) -> None:
+        """OpenAI's legacy completions, streamed, one prompt, ``n`` = 1: the same scripts and
+        faults as ``/generate``, framed as ``text_completion`` chunks (a usage chunk before
+        ``[DONE]`` with ``stream_options.include_usage``). No rid: the abort is a closed
+        connection (recorded as ``cancelled`` under a generated id)."""
+        self._counts["generate"] += 1  # (counted with the native generations)
+        body = self._parse_body(req)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise _BadRequest(400, _openai_error("prompt must be one string (fake)"))
+        if body.get("n") not in (None, 1) or body.get("stream") is not True:
+            raise _BadRequest(400, _openai_error("only streamed n = 1 is supported (fake)"))
+        sp: dict[str, Any] = {"max_new_tokens": body.get("max_tokens", DEFAULT_MAX_NEW_TOKENS)}
+        if body.get("stop") is not None:
+            sp["stop"] = body["stop"]
+        if body.get("seed") is not None:
+            sp["sampling_seed"] = body["seed"]
+        rid = "cmpl-" + uuid.uuid4().hex
+        call = self._make_call(
+            "/v1/completions", body, rid, rid, prompt, max(1, len(prompt.split())), sp, True
+        )  # unseeded: candidates differ, as a sampler's do
+        logprobs = body.get("logprobs")
+        gen = _Generation(
+            call, self.script(call), cumulative=False,
+            return_logprob=isinstance(logprobs, int) and not isinstance(logprobs, bool),
+            top_logprobs_num=int(logprobs or 0), text_in_logprobs=True, no_stop_trim=False,
+        )  # fmt: skip
+        options = body.get("stream_options")
+        usage = isinstance(options, dict) and options.get("include_usage") is True
+        await self._run_generation(conn, call, gen, openai=(str(body.get("model")), usage))
+
+    async def _run_generation(
+        self,
+        conn: HTTPConnection,
+        call: Call,
+        gen: _Generation,
+        openai: tuple[str, bool] | None = None,
+    ) -> None:
+        plan = gen.plan
         fault = plan.fault
         if fault is not None and fault.kind is FaultKind.HTTP_ERROR:
             self._record_outcome(call.rid, "fault", fault.kind)
@@ -926,7 +976,7 @@ class FakeEngine:
                 nursery.start_soon(_watch_client, conn, nursery.cancel_scope)
                 try:
                     if call.stream:
-                        outcome[0] = await self._stream(conn, gen, run)
+                        outcome[0] = await self._stream(conn, gen, run, openai)
                     else:
                         outcome[0] = await self._unary(conn, gen, run)
                 except ClientGone:
@@ -955,7 +1005,13 @@ class FakeEngine:
             return None
         return "fault:" + str(fault.kind.value)
 
-    async def _stream(self, conn: HTTPConnection, gen: _Generation, run: _Run) -> str:
+    async def _stream(
+        self,
+        conn: HTTPConnection,
+        gen: _Generation,
+        run: _Run,
+        openai: tuple[str, bool] | None = None,
+    ) -> str:
         fault = gen.plan.fault
         if fault is not None and fault.before_headers:
             result = await self._pre_head_fault(conn, fault, run)
@@ -978,18 +1034,18 @@ class FakeEngine:
             if i < gen.limit:
                 counts["tokens"] += 1
             if emit:
-                await conn.send_data(b"data: " + _ENCODE(gen.chunk(gen.finish)) + b"\n\n")
+                await conn.send_data(_frame(gen, gen.chunk(gen.finish), openai))
                 counts["chunks"] += 1
             if gen.finish is not None:
                 break
         if run.aborted:
             await conn.send_data(
-                b"data: " + _ENCODE(gen.chunk(_ABORTED, quirk=self.abort_quirk)) + b"\n\n"
+                _frame(gen, gen.chunk(_ABORTED, quirk=self.abort_quirk), openai)
             )
             counts["chunks"] += 1
             outcome = "aborted"
         elif gen.finish is None and gen.planned_abort is not None:
-            await conn.send_data(b"data: " + _ENCODE(gen.chunk(gen.planned_abort)) + b"\n\n")
+            await conn.send_data(_frame(gen, gen.chunk(gen.planned_abort), openai))
             counts["chunks"] += 1
             outcome = "aborted"
         else:
@@ -998,6 +1054,12 @@ class FakeEngine:
             result = await self._stream_fault(conn, gen, run, fault)
             if result is not None:
                 return result
+        if openai is not None and openai[1]:
+            n = len(gen.ids)
+            usage = {"prompt_tokens": gen.prompt_tokens, "completion_tokens": n,
+                     "total_tokens": gen.prompt_tokens + n}  # fmt: skip
+            await conn.send_data(_sse({"id": gen.call.rid, "object": "text_completion",
+                                       "model": openai[0], "choices": [], "usage": usage}))
         await conn.send_data(_DONE)
         await conn.end_response()
         return outcome
@@ -1266,11 +1328,40 @@ class FakeEngine:
 
 _KNOWN_PATHS = frozenset(
     {
-        "/generate", "/v1/chat/completions", "/abort_request", "/health", "/health_generate",
-        "/ready", "/server_info", "/get_server_info", "/model_info", "/get_model_info",
-        "/v1/models", "/v1/loads", "/get_load",
+        "/generate", "/v1/chat/completions", "/v1/completions", "/abort_request", "/health",
+        "/health_generate", "/ready", "/server_info", "/get_server_info", "/model_info",
+        "/get_model_info", "/v1/models", "/v1/loads", "/get_load",
     }
 )  # fmt: skip
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + _ENCODE(obj) + b"\n\n"
+
+
+def _frame(gen: _Generation, chunk: dict[str, Any], openai: tuple[str, bool] | None) -> bytes:
+    """One SSE event of ``chunk`` (a ``/generate`` chunk), or of the ``text_completion`` chunk
+    it becomes in the OpenAI-compatible mode (``openai``: the model name, usage wanted)."""
+    if openai is None:
+        return _sse(chunk)
+    meta = chunk["meta_info"]
+    choice: dict[str, Any] = {"index": 0, "text": chunk["text"], "logprobs": None,
+                              "finish_reason": None}  # fmt: skip
+    finish = meta["finish_reason"]
+    if finish is not None:
+        choice["finish_reason"] = finish["type"]
+        if isinstance(finish.get("matched"), str):
+            choice["stop_reason"] = finish["matched"]
+    if "output_token_logprobs" in meta:
+        lps = meta["output_token_logprobs"]
+        tops = meta.get("output_top_logprobs")
+        choice["logprobs"] = {
+            "tokens": [t or "" for _, _, t in lps],
+            "token_logprobs": [lp for lp, _, _ in lps],
+            "top_logprobs": [{t or "": lp for lp, _, t in row} for row in tops] if tops else None,
+        }
+    return _sse({"id": gen.call.rid, "object": "text_completion", "model": openai[0],
+                 "choices": [choice]})  # fmt: skip
 
 
 async def _watch_client(conn: HTTPConnection, scope: trio.CancelScope) -> None:

@@ -70,7 +70,10 @@ resolve: Callable[[str, int | None], Awaitable[list[str]]] = _getaddrinfo
 
 
 def _endpoint(spec: EngineSpec) -> Endpoint:
-    return Endpoint(spec.url.rstrip("/"), spec.pool, spec.machine_profile, spec.discover == "dns")
+    return Endpoint(
+        spec.url.rstrip("/"), spec.pool, spec.machine_profile, spec.discover == "dns",
+        spec.protocol,
+    )  # fmt: skip
 
 
 class EngineSources:
@@ -106,7 +109,9 @@ class EngineSources:
         """The replicas the model should have now."""
         found = replicas(self._entries, self._resolved, self._file_entries)
         return [
-            EngineSpec(url=e.url, pool=e.pool, machine_profile=e.machine_profile)
+            EngineSpec(
+                url=e.url, pool=e.pool, machine_profile=e.machine_profile, protocol=e.protocol
+            )
             for e in found
         ]
 

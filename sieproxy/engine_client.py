@@ -459,26 +459,43 @@ class EngineClient:
         return Exchange(self, o, data, trio.current_time() + head_timeout, ok_only)
 
     # ------------------------------------------------------------------ generation path
+    def stream(
+        self, base: str, path: str, body: dict[str, Any], *, head_timeout: float | None = None
+    ) -> Exchange:
+        """POST a candidate's streamed generation request (its protocol's path and body,
+        ``core.protocol``); yields the response of a 200 (raw body bytes from ``receive()``). A
+        non-200 raises ``EngineHTTPError`` (its text is not echoed); ``head_timeout`` bounds the
+        wait for the response head (``trio.TooSlowError``). ``send()`` on the returned exchange
+        writes the request before the wait for the head."""
+        timeout = head_timeout if head_timeout is not None else math.inf
+        return self._post(base, path, body, timeout, ok_only=True)
+
     def stream_generate(
         self, base: str, body: dict[str, Any], *, head_timeout: float | None = None
     ) -> Exchange:
-        """POST ``/generate`` with ``stream: true``; yields the response of a 200 (raw body
-        bytes from ``receive()``). A non-200 raises ``EngineHTTPError`` (its text is not
-        echoed); ``head_timeout`` bounds the wait for the response head (``trio.TooSlowError``).
-        ``send()`` on the returned exchange writes the request before the wait for the head."""
-        timeout = head_timeout if head_timeout is not None else math.inf
-        return self._post(base, "/generate", body, timeout, ok_only=True)
+        """:meth:`stream` to SGLang's ``/generate``."""
+        return self.stream(base, "/generate", body, head_timeout=head_timeout)
+
+    async def post(self, base: str, path: str, body: dict[str, Any]) -> None:
+        """POST a small request whose answer is drained and dropped (an abort)."""
+        async with self._post(base, path, body) as resp:
+            await resp.read_all(_DRAIN_LIMIT)
 
     async def abort(self, base: str, rid: str) -> None:
         """POST ``/abort_request`` for exactly ``rid`` (SGLang ignores prefixes)."""
-        async with self._post(base, "/abort_request", {"rid": rid}) as resp:
-            await resp.read_all(_DRAIN_LIMIT)
+        await self.post(base, "/abort_request", {"rid": rid})
 
     # ------------------------------------------------------------------ health and info
-    async def health(self, base: str) -> bool:
+    async def health(self, base: str, paths: tuple[str, ...] = ("/health",)) -> bool:
+        """Whether the first of ``paths`` that the engine serves answers 200 (a 404 tries the
+        next: the protocol's probes, ``core.protocol``)."""
         with _map_errors():
-            resp = await self._client.get(base + "/health")
-            return resp.status_code == 200
+            status = 404
+            for path in paths:
+                status = (await self._client.get(base + path)).status_code
+                if status != 404:
+                    break
+            return status == 200
 
     async def server_info(self, base: str) -> dict[str, Any]:
         """``/server_info`` (falls back to the older ``/get_server_info``)."""

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import trio
 
 from .core.errors import InvalidRequest, ServiceUnavailable
+from .core.protocol import protocol_for
 from .engine_client import EngineClient
 from .settings import EngineSpec, GatewaySettings
 
@@ -78,6 +79,7 @@ class Replica:
     machine_profile: str | None = None
     ready: bool = False
     incremental: bool = False
+    protocol: str = "sglang"  # the engine's API (``core.protocol``)
     info_loaded: bool = False
     inflight: int = 0  # candidates currently running here
     total: int = 0
@@ -124,7 +126,12 @@ class ModelPool:
         self.waiting = 0
         self.unserved = {"no_ready_replica": 0, "at_capacity": 0}
         self.replicas = [
-            Replica(url=s.url.rstrip("/"), pool=s.pool, machine_profile=s.machine_profile)
+            Replica(
+                url=s.url.rstrip("/"),
+                pool=s.pool,
+                machine_profile=s.machine_profile,
+                protocol=s.protocol,
+            )
             for s in specs
         ]
         self._labels()
@@ -160,6 +167,7 @@ class ModelPool:
                 r = Replica(url=url)
                 added.append(r)
             r.pool, r.machine_profile = spec.pool, spec.machine_profile
+            r.protocol = spec.protocol
             keep.append(r)
         for r in old.values():
             r.retired = True
@@ -329,7 +337,10 @@ class ModelPool:
             why = "its /health did not answer 200"
             with trio.move_on_after(g.health_timeout) as scope:
                 try:
-                    ok = await client.health(r.url)
+                    proto = protocol_for(r.protocol)
+                    ok = await client.health(r.url, proto.health_paths)
+                    if ok and not r.info_loaded and not proto.server_info:
+                        r.info_loaded = True
                     if ok and not r.info_loaded:
                         info = await client.server_info(r.url)
                         if self.launch_token and info.get("launch_token") != self.launch_token:

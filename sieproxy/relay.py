@@ -70,10 +70,8 @@ from .core.errors import (
     UpstreamError,
 )
 from .core.events import CandidateDelta, CandidateFinish
-from .core.express import Express
+from .core.protocol import CandidateReader, ExpressLane, protocol_for
 from .core.refusal import RequestFields, explain
-from .core.sse import SSEDecoder
-from .core.upstream import GenerateReader
 from .engine_client import EngineClient, Exchange, UpstreamResponse
 from .pool import ModelPool, Replica, RouteHints
 from .pump import Outlet, Pump
@@ -161,22 +159,14 @@ async def sweep_stalls(active: set[GenerationBody], limit: float) -> None:
                     nursery.start_soon(body.abort_stalled)
 
 
-def _end_of_body(decoder: SSEDecoder, reader: GenerateReader) -> None:
-    """The engine's body ended: raise unless its stream ended properly ([DONE] or a finish)."""
-    if not reader.done:
-        decoder.close()
-        reader.eof()
-
-
 @dataclass(slots=True)
 class _Inline:
     """The read state of an inline candidate (``n`` = 1, see ``GenerationBody._inline_next``)."""
 
-    cm: Any = None  # the ``stream_generate`` exchange (entered once ``resp`` is set)
+    cm: Any = None  # the ``EngineClient.stream`` exchange (entered once ``resp`` is set)
     failed: Exception | None = None  # why ``GenerationBody.open`` could not send the request
     resp: UpstreamResponse | None = None
-    reader: GenerateReader | None = None
-    decoder: SSEDecoder | None = None
+    reader: CandidateReader | None = None
     # When the engine last sent bytes, moved later by the time spent in client writes since
     # (the gap limit counts from there: the engine's silence only, ``client_write``).
     last: float = 0.0
@@ -194,8 +184,8 @@ class _Inline:
     # the exception to raise).
     out: Outlet | None = None
     stash: bytes | Exception | None = None
-    # The express lane of the pump's step (``core.express``; None where it never applies).
-    express: Express | None = None
+    # The reader's express lane for the pump's step (None where it never applies).
+    express: ExpressLane | None = None
 
 
 class WaitTimer:
@@ -436,7 +426,16 @@ class GenerationBody:
         head = self._g.token_gap_timeout
         if until < math.inf:
             head = max(min(head, until - trio.current_time()), 0.0)
-        return self._client.stream_generate(self.replica.url, self._bodies[i], head_timeout=head)
+        path, payload = protocol_for(self.replica.protocol).request(
+            self._bodies[i], self.stats.endpoint, self.stats.model
+        )
+        return self._client.stream(self.replica.url, path, payload, head_timeout=head)
+
+    def _reader(self) -> CandidateReader:
+        """A new reader for one candidate's response, in the replica's protocol."""
+        return protocol_for(self.replica.protocol).reader(
+            incremental=self.replica.incremental, max_line=self._g.max_sse_line_bytes
+        )
 
     def _gap_error(self, i: int) -> GatewayError:
         self._causes[i] = self._causes[i] or "timeout"
@@ -448,7 +447,7 @@ class GenerationBody:
         self._causes[i] = "deadline"
         return EngineTimeout("The request exceeded its deadline and was aborted.")
 
-    def _expired(self, i: int, reader: GenerateReader) -> GatewayError | None:
+    def _expired(self, i: int, reader: CandidateReader) -> GatewayError | None:
         """What a candidate's fired timer means: nothing if the engine already finished (it
         kept the body open), else the request deadline or the token gap, by the clock."""
         if reader.done:
@@ -458,25 +457,14 @@ class GenerationBody:
         return self._gap_error(i)
 
     def _events(
-        self, i: int, raw: bytes, decoder: SSEDecoder, reader: GenerateReader
+        self, i: int, raw: bytes, reader: CandidateReader
     ) -> tuple[list[Event], GatewayError | None]:
         """The events in one upstream read, and the error that ends the stream there if any
         (the events before it still count)."""
-        out: list[Event] = []
-        try:
-            for payload in decoder.feed(raw):
-                delta, finish = reader.feed(payload)
-                if finish is not None:
-                    self._terminal[i] = True
-                if delta is not None:
-                    out.append((i, delta))
-                if finish is not None:
-                    out.append((i, finish))
-                if reader.done:
-                    break
-        except GatewayError as err:
-            return out, err
-        return out, None
+        events, err = reader.feed(raw)
+        if reader.finished:
+            self._terminal[i] = True
+        return [(i, ev) for ev in events], err
 
     async def _abort(self, i: int, err: GatewayError | None) -> None:
         """``/abort_request`` for a candidate the engine may still be generating."""
@@ -485,15 +473,18 @@ class GenerationBody:
         self._aborted[i] = True
         cause = self._causes[i] or ("error" if err is not None else "client")
         self.stats.abort_causes[cause] = self.stats.abort_causes.get(cause, 0) + 1
-        rid: str = self._bodies[i]["rid"]
+        call = protocol_for(self.replica.protocol).abort(self._bodies[i])
+        if call is None:
+            return  # closing the candidate's connection (on the way out) is the abort
         with trio.move_on_after(self._g.abort_timeout, shield=True):
             try:
-                await self._client.abort(self.replica.url, rid)
+                await self._client.post(self.replica.url, *call)
             except GatewayError:
+                rid = self._bodies[i].get("rid")
                 log.warning("abort of %s on %s failed", rid, self.replica.url)
 
     def _settle(
-        self, i: int, reader: GenerateReader, err: GatewayError | None
+        self, i: int, reader: CandidateReader, err: GatewayError | None
     ) -> CandidateFinish | GatewayError | None:
         """What the shaper must still see of an ended candidate (and the replica's record;
         ``self.replica`` is the candidate's: a retry switches only after they all ended)."""
@@ -530,9 +521,8 @@ class GenerationBody:
         sent: Exchange | Exception | None = None,
     ) -> None:
         """Stream one candidate from the engine into the channel (theory: module docstring)."""
-        replica = self.replica
         scope = self._scopes[i]
-        reader = GenerateReader(incremental=replica.incremental)
+        reader = self._reader()
         err: GatewayError | None = None
         opened = False
         with send:
@@ -567,14 +557,13 @@ class GenerationBody:
         self,
         i: int,
         resp: UpstreamResponse,
-        reader: GenerateReader,
+        reader: CandidateReader,
         send: trio.MemorySendChannel[Event],
         scope: trio.CancelScope,
     ) -> None:
         """Read the candidate's body into the channel. The token gap is enforced by moving the
         deadline of the candidate's own ``scope`` (one scope fewer per candidate); the request
         deadline caps it."""
-        decoder = SSEDecoder(self._g.max_sse_line_bytes)
         gap = self._g.token_gap_timeout
         end = self._deadline
         # Moving a cancel scope's deadline costs a trio deadline-heap update; doing it for every
@@ -593,7 +582,7 @@ class GenerationBody:
                 scope.deadline = min(end, moved)
             if reader.done:
                 continue  # past [DONE]: read the body to its end so the connection is reused
-            events, err = self._events(i, raw, decoder, reader)
+            events, err = self._events(i, raw, reader)
             for ev in events:
                 try:
                     send.send_nowait(ev)  # no yield: the next upstream read is the checkpoint
@@ -603,7 +592,7 @@ class GenerationBody:
                     scope.deadline = min(end, moved)
             if err is not None:
                 raise err
-        _end_of_body(decoder, reader)
+        reader.eof()
 
     async def _put_waiting(
         self,
@@ -677,11 +666,10 @@ class GenerationBody:
 
     def _inline_exchange(self) -> Any:
         """The inline candidate's exchange with the engine (``il.cm``, not sent yet), and its
-        reader and decoder."""
+        reader."""
         il = self._il
         assert il is not None
-        il.reader = GenerateReader(incremental=self.replica.incremental)
-        il.decoder = SSEDecoder(self._g.max_sse_line_bytes)
+        il.reader = self._reader()
         # The request's deadline bounds the opening through the client's own scope
         # (``until``): one cancel scope fewer on the way to the first token.
         il.cm = self._open(0, until=self._deadline)
@@ -695,8 +683,8 @@ class GenerationBody:
         il = self._il
         if il is not None and self._pump is not None:
             il.out = out
-            assert il.decoder is not None and il.reader is not None  # made before the head
-            il.express = Express.of(il.decoder, il.reader, self._shaper)
+            assert il.reader is not None  # made before the head
+            il.express = il.reader.express(self._shaper)
 
     async def _inline_next(self) -> list[Event]:
         """The single candidate's next events, read by the response task itself (no task, no
@@ -723,8 +711,8 @@ class GenerationBody:
                     il.cm = None  # the exchange let its connection go
                     raise
                 il.last = trio.current_time()
-            resp, reader, decoder = il.resp, il.reader, il.decoder
-            assert resp is not None and reader is not None and decoder is not None
+            resp, reader = il.resp, il.reader
+            assert resp is not None and reader is not None
             timer = self._timer
             while True:
                 # Bytes already there need no timer (a cancel scope per chunk was a measurable
@@ -772,12 +760,12 @@ class GenerationBody:
                 if now >= self._deadline:
                     return await self._inline_end(self._deadline_error(0))
                 if not raw:
-                    _end_of_body(decoder, reader)
+                    reader.eof()
                     return await self._inline_end(None)
                 il.last = now
                 if reader.done:
                     continue  # past [DONE]: read the body to its end so the connection is reused
-                events, err = self._events(0, raw, decoder, reader)
+                events, err = self._events(0, raw, reader)
                 if err is not None:
                     return events + await self._inline_end(err)
                 if events:
@@ -816,7 +804,7 @@ class GenerationBody:
                 return False
             il.last = now
             ex = il.express
-            # The common token in one step (``core.express``) once the first token was
+            # The common token in one step (the reader's express lane) once the first token was
             # counted (its time is the request's time to first token); else, or for anything
             # the lane does not take, the general path, from the same bytes.
             frame = (
@@ -841,11 +829,11 @@ class GenerationBody:
         stream back (an error, kept in ``stash``; or a write that did not complete)."""
         il = self._il
         assert il is not None and il.out is not None
-        reader, decoder = il.reader, il.decoder
-        assert reader is not None and decoder is not None
+        reader = il.reader
+        assert reader is not None
         if reader.done:  # past [DONE]: read the body to its end (connection reuse)
             return True
-        events, err = self._events(0, raw, decoder, reader)
+        events, err = self._events(0, raw, reader)
         if err is not None:
             il.stash = err
         if events and not il.out.write_nowait(self._merge(events)):
@@ -883,7 +871,7 @@ class GenerationBody:
         il = self._il
         assert il is not None
         await self._inline_close(err)
-        reader = il.reader or GenerateReader()
+        reader = il.reader or self._reader()
         last = self._settle(0, reader, err)
         return [] if last is None else [(0, last)]
 

@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 from msgspec import Struct, field
 
+from .core.protocol import PROTOCOLS
 from .core.reasoning import make_reasoning_parser
 from .core.template import check_template
 from .core.toolparse import make_tool_parser
@@ -133,6 +134,9 @@ class EngineSpec(_Conf):
     #: address it resolves to (sieproxy/discovery.py).
     discover: str | None = None
     interval: float = 10.0
+    #: The engine's API: ``"sglang"`` (native ``/generate``) or ``"openai"`` (an
+    #: OpenAI-compatible server; docs/CONFIGURATION.md "The OpenAI-compatible protocol").
+    protocol: str = "sglang"
 
 
 class FallbackSpec(_Conf):
@@ -415,6 +419,9 @@ def _check(s: Settings, where: str) -> None:
                 raise bad(f"models.{name}.engines[{i}].discover", 'only "dns" is supported')
             if isinstance(e, EngineSpec) and e.interval <= 0:
                 raise bad(f"models.{name}.engines[{i}].interval", "must be a positive number")
+            if isinstance(e, EngineSpec) and e.protocol not in PROTOCOLS:
+                known = ", ".join(f'"{p}"' for p in sorted(PROTOCOLS))
+                raise bad(f"models.{name}.engines[{i}].protocol", f"must be one of {known}")
         if m.engines_file:
             try:
                 parse_engines_file(Path(m.engines_file).read_text("utf-8"))

@@ -96,6 +96,8 @@ REFUSED_AT_LOAD = [
      "models.a.fallbacks", "cycle (a -> b -> c -> a)"),
     ("[models.m]\nengines = [{ url = 'http://x', discover = 'mdns' }]\n",
      "models.m.engines[0].discover", '"dns"'),
+    ("[models.m]\nengines = [{ url = 'http://x', protocol = 'vllm' }]\n",
+     "models.m.engines[0].protocol", '"openai", "sglang"'),
     ("[models.m]\nengines = [{ url = 'http://x', discover = 'dns', interval = 0 }]\n",
      "models.m.engines[0].interval", "positive"),
     ("[models.m]\nengines_file = '/nonexistent/engines.txt'\n",

@@ -29,6 +29,7 @@ class Endpoint:
     pool: str | None = None
     machine_profile: str | None = None
     dns: bool = False  # the host is a name to resolve (an entry only, never a replica)
+    protocol: str = "sglang"  # the engine's API (``core.protocol``)
 
 
 def host_port(url: str) -> tuple[str, int | None]:
@@ -59,13 +60,13 @@ def replicas(
     def add(items: Iterable[Endpoint]) -> None:
         for e in items:
             url = e.url.rstrip("/")
-            out.setdefault(url, Endpoint(url, e.pool, e.machine_profile))
+            out.setdefault(url, Endpoint(url, e.pool, e.machine_profile, protocol=e.protocol))
 
     add(e for e in entries if not e.dns)
     for e in entries:
         if e.dns:
             add(
-                Endpoint(with_address(e.url, a), e.pool, e.machine_profile)
+                Endpoint(with_address(e.url, a), e.pool, e.machine_profile, protocol=e.protocol)
                 for a in resolved.get(e.url, ())
             )
     add(file_entries)

@@ -1,6 +1,6 @@
 """Typed values that flow between the core's stages.
 
-    engine chunk (dict) ──upstream.GenerateReader──▶ CandidateDelta / CandidateFinish
+    engine chunk (dict) ──a protocol reader (core.protocol)──▶ CandidateDelta / CandidateFinish
         ──choice pipeline (stop strings ▸ reasoning ▸ tools)──▶ ChoiceDelta
         ──merger──▶ encoded SSE frames / a final body
 

@@ -2,8 +2,8 @@
 
 Theory of operation
 -------------------
-The shell reads each candidate's engine stream with :class:`~.upstream.GenerateReader` and hands
-the resulting events, in arrival order, to one builder per request:
+The shell reads each candidate's engine stream with its protocol's reader (:mod:`~.protocol`)
+and hands the resulting events, in arrival order, to one builder per request:
 
 - :class:`ChatStream` / :class:`CompletionStream` return encoded SSE bytes for each event;
 - :class:`ChatCollector` / :class:`CompletionCollector` accumulate and build one body at the end.
@@ -64,6 +64,7 @@ __all__ = [
     "CompletionStream",
     "MergerError",
     "StreamPhase",
+    "StreamShaper",
     "Usage",
 ]
 
@@ -350,6 +351,11 @@ class _StreamBase:
             return DONE_FRAME
         usage = _enc.encode(_usage(self.choices, self.choices))
         return self._head + b'],"usage":' + usage + b"}\n\n" + DONE_FRAME
+
+
+#: The streaming builders' common base (a fast path checks for it and uses ``choices``,
+#: ``phase`` and ``text_affixes``).
+StreamShaper = _StreamBase
 
 
 class ChatStream(_StreamBase):

@@ -4,7 +4,7 @@ An engine refuses a request it cannot run — a prompt longer than the context, 
 would overflow it, a grammar it cannot compile, a ``logit_bias`` id outside the vocabulary — with
 a 400 (before the stream) or a 4xx in the stream (an ``error`` object, or an abort finish reason
 with a status code). Its text is never echoed to a client. The boundaries that meet it
-(``sieproxy.engine_client`` for the status line, ``core.upstream`` for the stream) call
+(``sieproxy.engine_client`` for the status line, ``core.sglang`` for the stream) call
 :func:`classify` once, which matches the text against :data:`_TABLE` — the patterns of SGLang's
 ``TokenizerManager`` / scheduler messages and of the CPU engine, which uses the same wording —
 and keeps only the kind and the numbers. The relay then calls :func:`explain` with the request's
@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import GatewayError, InvalidRequest, RequestError
+from .errors import EngineStreamError, GatewayError, InvalidRequest, RequestError
 
 __all__ = [
     "ContextLengthExceeded",
@@ -43,6 +43,7 @@ __all__ = [
     "RequestFields",
     "classify",
     "engine_message",
+    "engine_stream_error",
     "explain",
     "logit_bias_out_of_vocab",
     "max_tokens_over_context",
@@ -215,3 +216,21 @@ def max_tokens_over_context(param: str, value: int, context_length: int) -> Cont
         f"tokens, prompt included; set `{param}` to less than {context_length}.",
         param=param,
     )
+
+
+def engine_stream_error(error: Any) -> EngineStreamError:
+    """The error for an ``{"error": ...}`` payload in an engine's stream (either protocol): a
+    400 refusal, classified, when its code is 4xx, else the engine failing. The engine's text
+    is never echoed."""
+    code = error.get("code") if isinstance(error, dict) else None
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 500:
+        err = EngineStreamError(
+            "The engine refused the request; check that the prompt and max_tokens fit the "
+            "model's context."
+        )
+        err.status = 400
+        err.type = "invalid_request_error"
+        err.code = "invalid_request"
+        err.refusal = classify(engine_message({"error": error}))
+        return err
+    return EngineStreamError("The engine failed while generating; retry the request.")

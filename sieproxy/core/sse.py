@@ -58,6 +58,14 @@ class SSEDecoder:
         self._broken = False
         self.discarded = False
 
+    def at_rest(self) -> bool:
+        """True between whole events: past the first line, no partial line or event held, no
+        CR waiting for its LF, not failed. Only then may a reader take a read of whole events
+        without this decoder (the express lane, ``core.sglang``)."""
+        return not (
+            self._buf or self._data or self._skip_lf or self._first_line or self._broken
+        )
+
     def feed(self, data: bytes) -> list[str]:
         """Consume ``data``; return the payloads of the events it completed, in order."""
         if self._broken:

@@ -1,4 +1,4 @@
-"""The express lane (``core.express``) against the general path it short-cuts.
+"""The express lane (``core.sglang``) against the general path it short-cuts.
 
 The general path of one engine read is what the relay does with it (``relay._events`` and
 ``_merge``): SSE events → ``GenerateReader.feed`` → the shaper's ``on_delta`` / ``on_finish``, up
@@ -20,10 +20,9 @@ from hypothesis import given, seed
 from hypothesis import strategies as st
 
 from sieproxy.core.errors import GatewayError
-from sieproxy.core.express import Express
 from sieproxy.core.merger import ChatStream, CompletionStream
+from sieproxy.core.sglang import Express, GenerateReader
 from sieproxy.core.sse import SSEDecoder
-from sieproxy.core.upstream import GenerateReader
 from tests.core.test_fuzz_core import FUZZ, SEED
 from tests.core.test_merger import CREATED, chat, completion, decode
 

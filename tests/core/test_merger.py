@@ -26,8 +26,8 @@ from sieproxy.core.merger import (
 )
 from sieproxy.core.request import ValidChat, ValidCompletion
 from sieproxy.core.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from sieproxy.core.sglang import GenerateReader
 from sieproxy.core.sse import SSEDecoder
-from sieproxy.core.upstream import GenerateReader
 
 # Tiny stand-ins for the chat-semantics parsers (single-character tags, so no hold-back):
 # text inside [ ... ] is reasoning; text inside { ... } is one call to `fn`.

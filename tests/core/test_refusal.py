@@ -10,7 +10,7 @@ import pytest
 from sieproxy.core.errors import EngineAborted, EngineStreamError, GatewayError
 from sieproxy.core.profile import ModelProfile
 from sieproxy.core.refusal import Refusal, RequestFields, classify, engine_message, explain
-from sieproxy.core.upstream import GenerateReader
+from sieproxy.core.sglang import GenerateReader
 from sieproxy.core.validate import check_chat, check_completion, decode_chat, decode_completion
 
 CHAT = RequestFields()

@@ -12,7 +12,7 @@ from sieproxy.core.errors import (
     EngineTruncated,
 )
 from sieproxy.core.events import CandidateDelta, CandidateFinish
-from sieproxy.core.upstream import NEG_INF_LOGPROB, GenerateReader, parse_generate_response
+from sieproxy.core.sglang import NEG_INF_LOGPROB, GenerateReader, parse_generate_response
 
 
 def meta(**kw: Any) -> dict[str, Any]:

@@ -105,7 +105,7 @@ def connection_tasks() -> int:
     return found
 
 
-def settings_for(ports: list[int], **gateway: Any) -> Settings:
+def settings_for(ports: list[int], protocol: str = "sglang", **gateway: Any) -> Settings:
     fast = env_fast_paths()  # SIEPROXY_FAST_PATHS=0: the suite's run with the fast paths off
     if fast is not None:
         gateway.setdefault("fast_paths", fast)
@@ -119,7 +119,10 @@ def settings_for(ports: list[int], **gateway: Any) -> Settings:
     )
     specs: list[str | EngineSpec] = [
         EngineSpec(
-            url=f"http://127.0.0.1:{p}", pool=f"pool-{i % 2}", machine_profile=f"profile-{i}"
+            url=f"http://127.0.0.1:{p}",
+            pool=f"pool-{i % 2}",
+            machine_profile=f"profile-{i}",
+            protocol=protocol,
         )
         for i, p in enumerate(ports)
     ]
@@ -147,6 +150,7 @@ async def running_gateway(
     *,
     settings_hook: Callable[[Settings], None] | None = None,
     wait_ready: bool = True,
+    protocol: str = "sglang",
     **gateway: Any,
 ) -> AsyncIterator[Gateway]:
     if engines is None:
@@ -155,7 +159,7 @@ async def running_gateway(
         engines = [engines]
     async with trio.open_nursery() as nursery:
         ports = [await nursery.start(e.serve) for e in engines]
-        settings = settings_for(ports, **gateway)
+        settings = settings_for(ports, protocol, **gateway)
         if settings_hook is not None:
             settings_hook(settings)
         async with _serving(settings, engines, wait_ready) as gw:

@@ -414,3 +414,30 @@ async def test_closing_a_connection_wakes_its_reader_with_an_error() -> None:
 async def _close_soon(resp: Any) -> None:
     await trio.sleep(0.05)
     resp.close()
+
+
+@pytest.mark.parametrize(
+    ("answers", "healthy"),
+    [
+        ({b"/health": 200}, True),
+        ({b"/health": 404, b"/v1/models": 200}, True),  # an engine with no /health
+        ({b"/health": 503, b"/v1/models": 200}, False),  # /health answered: it decides
+        ({b"/health": 404, b"/v1/models": 404}, False),
+    ],
+)
+async def test_health_takes_the_first_probe_the_engine_serves(
+    answers: dict[bytes, int], healthy: bool
+) -> None:
+    async def handler(stream: trio.SocketStream, head: bytes) -> bool:
+        path = head.split(b" ")[1]
+        status = answers.get(path, 404)
+        await stream.send_all(b"HTTP/1.1 %d X\r\nContent-Length: 0\r\n\r\n" % status)
+        return True
+
+    async with raw_server(handler) as srv:
+        c = client()
+        base = f"http://127.0.0.1:{srv.port}"
+        assert await c.health(base, ("/health", "/v1/models")) is healthy
+        asked = [h.split(b" ")[1] for h in srv.heads]
+        assert asked == list(answers)[: 1 if answers[b"/health"] != 404 else 2]
+        await c.aclose()

@@ -28,7 +28,7 @@ import trio.testing
 
 from engine.fake import FakeEngine, Fault, Plan
 from sieproxy import hypercorn_io, relay
-from sieproxy.core.express import Express
+from sieproxy.core.sglang import Express
 from sieproxy.pump import Pump
 
 from .harness import MODEL, Gateway, host_port, running_gateway, sse_events
@@ -243,7 +243,7 @@ class _Counts:
     parks: int = 0
     carried: int = 0  # chunks the pump wrote to a client
     handed: int = 0  # a write the pump left for the response task
-    express: int = 0  # reads the express lane took (core.express)
+    express: int = 0  # reads the express lane took (core.sglang)
 
 
 @pytest.fixture

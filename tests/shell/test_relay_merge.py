@@ -123,13 +123,14 @@ class _Client:
         self.aborts: list[str] = []
 
     @asynccontextmanager
-    async def stream_generate(
-        self, url: str, body: dict[str, Any], *, head_timeout: float
+    async def stream(
+        self, url: str, path: str, body: dict[str, Any], *, head_timeout: float
     ) -> AsyncIterator[Any]:
         yield self.resp
 
-    async def abort(self, url: str, rid: str) -> None:
-        self.aborts.append(rid)
+    async def post(self, url: str, path: str, body: dict[str, Any]) -> None:
+        assert path == "/abort_request"
+        self.aborts.append(body["rid"])
 
 
 @pytest.mark.parametrize("cause", ["best_of", "stop"])
@@ -363,8 +364,8 @@ class _HeadNeverComes(_Client):
         self.head_timeouts: list[float] = []
 
     @asynccontextmanager
-    async def stream_generate(
-        self, url: str, body: dict[str, Any], *, head_timeout: float
+    async def stream(
+        self, url: str, path: str, body: dict[str, Any], *, head_timeout: float
     ) -> AsyncIterator[Any]:
         self.head_timeouts.append(head_timeout)
         await trio.sleep(head_timeout)

@@ -43,6 +43,7 @@ from .auth import Authenticator
 from .child import LAUNCH_TOKEN_ENV, PortInUse, claim_port, engine_argv, supervise_child
 from .core.errors import GatewayError
 from .core.profile import ModelProfile
+from .core.protocol import protocol_for
 from .core.template import check_template
 from .discovery import EngineSources
 from .engine_client import EngineClient
@@ -178,11 +179,14 @@ async def _discover(state: GatewayState, model: str) -> None:
         for r in pool.replicas:
             if not r.ready:
                 continue
-            try:
-                info = await state.client.model_info(r.url)
-                server = await state.client.server_info(r.url)
-            except GatewayError:
-                continue
+            info: dict[str, Any] = {}
+            server: dict[str, Any] = {}
+            if protocol_for(r.protocol).server_info:  # an OpenAI engine has neither endpoint
+                try:
+                    info = await state.client.model_info(r.url)
+                    server = await state.client.server_info(r.url)
+                except GatewayError:
+                    continue
             path = info.get("tokenizer_path") or info.get("model_path")
             local = isinstance(path, str) and await trio.Path(path).is_dir()
             if need_template and local:

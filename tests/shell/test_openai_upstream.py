@@ -11,6 +11,8 @@ import pytest
 import trio
 
 from engine.fake import Call, DefaultScript, FakeEngine, Fault, Plan, default_tokens
+from sieproxy.core.errors import EngineHTTPError
+from sieproxy.engine_client import EngineClient
 
 from .harness import MODEL, running_gateway, sse_events
 from .test_openai_sdk import MSGS, _client, _sync
@@ -198,3 +200,31 @@ async def test_images_are_refused_for_an_openai_engine(stream: bool) -> None:
         assert not gw.engines[0].requests or all(
             p != "/v1/completions" for p, _ in gw.engines[0].requests
         )
+
+
+async def test_a_model_without_a_template_opens_on_an_openai_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An OpenAI engine has no ``/model_info`` to discover a template from: a model configured
+    without one opens once its replica is ready (the plain rendering, with a warning) instead of
+    waiting for a discovery that can never answer."""
+
+    async def no_info(self: Any, base: str) -> dict[str, Any]:  # as vLLM or llama.cpp answer
+        raise EngineHTTPError("The engine has no such endpoint.")
+
+    monkeypatch.setattr(EngineClient, "model_info", no_info)
+    monkeypatch.setattr(EngineClient, "server_info", no_info)
+
+    def no_template(s: Any) -> None:
+        for m in s.models.values():
+            m.chat_template = None
+
+    async with running_gateway(protocol="openai", settings_hook=no_template) as gw:
+        with trio.fail_after(10):
+            while not gw.state.pools[MODEL].gate_open:
+                await trio.sleep(0.05)
+        r = await gw.client.post(
+            "/v1/chat/completions", json={"model": MODEL, "messages": MSGS, "max_tokens": 2}
+        )
+        assert r.status_code == 200, r.text
+        assert _upstream(gw.engines[0])[0]["prompt"].startswith(("user:", "User:", "<"))

@@ -1021,7 +1021,9 @@ def cmd_engine_throughput(a: argparse.Namespace) -> None:
              "(prefill included). Engine: float32 weights converted from the GGUF, kernels "
              f"{kernels}, no prefix cache. llama.cpp: llama-cpp-python "
              f"{_version('llama_cpp_python')} on `{gguf.name}`, one sequence per stream in one "
-             "context, one batched `llama_decode` per step. generate(): transformers on the "
+             "context, one batched `llama_decode` per step, its defaults otherwise except no "
+             "extra weight buffers (`--no-repack`: the AMX matmul they select segfaults in a "
+             "batched decode on this Xeon). generate(): transformers on the "
              "engine's weights (one request; or one left-padded batch). Ratios within a round.",
              "", *table, "",
              "Greedy output, one stream, engine = generate() token for token: "

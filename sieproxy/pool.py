@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import trio
 
 from .core.errors import InvalidRequest, ServiceUnavailable
+from .core.profile import positive_int
 from .core.protocol import protocol_for
 from .engine_client import EngineClient
 from .settings import EngineSpec, GatewaySettings
@@ -348,7 +349,7 @@ class ModelPool:
                             why = "the process answering there is not this gateway's engine"
                         else:
                             r.incremental = bool(info.get("incremental_streaming_output", False))
-                            r.max_running = _positive_int(info.get("max_running_requests"))
+                            r.max_running = positive_int(info.get("max_running_requests"))
                             r.info_loaded = True
                 except Exception as exc:
                     ok = False
@@ -401,10 +402,6 @@ class ModelPool:
                 await trio.sleep_until(until)
                 return
             await trio.sleep(step)
-
-
-def _positive_int(v: object) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
 def _score(key: str, url: str) -> bytes:

@@ -42,7 +42,7 @@ from .app import GatewayState, create_app
 from .auth import Authenticator
 from .child import LAUNCH_TOKEN_ENV, PortInUse, claim_port, engine_argv, supervise_child
 from .core.errors import GatewayError
-from .core.profile import ModelProfile
+from .core.profile import ModelProfile, positive_int
 from .core.protocol import protocol_for
 from .core.template import check_template
 from .discovery import EngineSources
@@ -220,10 +220,6 @@ def _read_template(state: GatewayState, model: str, path: str) -> None:
         log.info("model %s: chat template read from %s", model, path)
 
 
-def _positive(x: object) -> int | None:
-    return x if isinstance(x, int) and not isinstance(x, bool) and x > 0 else None
-
-
 def _apply_limits(
     state: GatewayState,
     model: str,
@@ -231,15 +227,15 @@ def _apply_limits(
     server: dict[str, Any],
     local_dir: str | None,
 ) -> None:
-    context = _positive(server.get("context_length"))
-    vocab = _positive(info.get("vocab_size"))
+    context = positive_int(server.get("context_length"))
+    vocab = positive_int(info.get("vocab_size"))
     if vocab is None and local_dir is not None:
         try:
             config = msgspec.json.decode(Path(local_dir, "config.json").read_bytes())
         except (OSError, msgspec.DecodeError):
             config = None
         if isinstance(config, dict):
-            vocab = _positive(config.get("vocab_size"))
+            vocab = positive_int(config.get("vocab_size"))
     state.profiles[model] = replace(
         state.profiles[model], context_length=context, vocab_size=vocab
     )

@@ -24,7 +24,7 @@ from .reasoning import make_reasoning_parser
 from .refusal import RequestFields
 from .responses import decode_responses, translated
 from .responses_out import ResponsesShaper
-from .schemas import ChatCompletionRequest
+from .schemas import ChatCompletionRequest, CompletionRequest
 from .toolparse import make_tool_parser
 from .validate import check_chat, check_completion, decode_chat, decode_completion
 
@@ -95,6 +95,18 @@ def find_profile(profiles: Mapping[str, ModelProfile], model: str) -> ModelProfi
     return profile
 
 
+def _serving(
+    profiles: Mapping[str, ModelProfile],
+    req: ChatCompletionRequest | CompletionRequest,
+    model: str | None,
+) -> ModelProfile:
+    """The profile of the model that serves ``req``: ``model`` when a fallback serves it (the
+    response then names it), else the one the request names (404 when unknown)."""
+    if model is not None:
+        req.model = model
+    return find_profile(profiles, req.model)
+
+
 def _parsers(
     req: ChatCompletionRequest, plan: ChatPlan, request_id: str
 ) -> tuple[Callable[[], ToolCallParser] | None, Callable[[], ReasoningParser] | None]:
@@ -133,9 +145,7 @@ def build_chat(
     model: str | None = None,
 ) -> Prepared:
     req = decode_chat(raw)
-    if model is not None:  # a fallback model serves the request (the response names it)
-        req.model = model
-    profile = find_profile(profiles, req.model)
+    profile = _serving(profiles, req, model)
     valid = check_chat(req, profile)
     plan = plan_chat(valid, profile, request_id=request_id)
     valid.stop = merge_stops(valid.stop, profile.stop)
@@ -187,9 +197,7 @@ def build_completion(
     model: str | None = None,
 ) -> Prepared:
     req = decode_completion(raw)
-    if model is not None:
-        req.model = model
-    profile = find_profile(profiles, req.model)
+    profile = _serving(profiles, req, model)
     valid = check_completion(req, profile)
     body = plan_completion(valid, profile, request_id=request_id)
     valid.stop = merge_stops(valid.stop, profile.stop)
@@ -227,9 +235,7 @@ def build_responses(
     """``POST /v1/responses``: the chat path with one candidate (``core.responses``), shaped by
     :class:`ResponsesShaper`."""
     rreq, req, paths = decode_responses(raw)
-    if model is not None:
-        req.model = model
-    profile = find_profile(profiles, req.model)
+    profile = _serving(profiles, req, model)
     try:
         valid = check_chat(req, profile)
     except RequestError as err:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ModelProfile"]
+__all__ = ["ModelProfile", "positive_int"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,3 +40,9 @@ class ModelProfile:
     @property
     def accepts_images(self) -> bool:
         return "image" in self.inputs and not self.encode_only
+
+
+def positive_int(v: object) -> int | None:
+    """``v`` when an engine reported a positive integer (a context length, a vocabulary or batch
+    size), else None: a bool, a float or a missing value says nothing."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None

@@ -10,8 +10,9 @@ subset of them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import pytest
 import trio
 
 import sieproxy.discovery
-from engine.fake import DefaultScript, FakeEngine
+from engine.fake import Call, DefaultScript, FakeEngine, Plan
 from sieproxy.discovery import NameGone
 from sieproxy.serve import build_app, reload_settings, serve
 from sieproxy.settings import EngineSpec, Settings
@@ -45,6 +46,34 @@ class Dns:
         if isinstance(answer, Exception):
             raise answer
         return list(answer)
+
+
+class Held(Sequence[float]):
+    """Inter-token gaps of ``slow`` seconds until :meth:`release`, then none: a stream that
+    lasts exactly as long as the test needs it to, however loaded the machine is."""
+
+    def __init__(self, count: int, slow: float = 0.5) -> None:
+        self.count, self.slow, self.released = count, slow, False
+
+    def release(self) -> None:
+        self.released = True
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> float:  # type: ignore[override]
+        return 0.0 if self.released else self.slow
+
+
+def held_for(prefix: str, held: Held) -> Callable[[Call], Plan]:
+    """The default script, with ``held`` gaps for the requests whose rid starts with ``prefix``."""
+    default = DefaultScript()
+
+    def script(call: Call) -> Plan:
+        plan = default(call)
+        return dataclasses.replace(plan, itl=held) if call.rid.startswith(prefix) else plan
+
+    return script
 
 
 @contextlib.asynccontextmanager
@@ -87,7 +116,8 @@ async def test_dns_name_gains_and_loses_addresses_without_dropping_a_stream(
     dns = Dns()
     dns.answers[NAME] = [HOSTS[0]]
     monkeypatch.setattr(sieproxy.discovery, "resolve", dns)
-    engines = [FakeEngine(DefaultScript(itl=0.1)), FakeEngine(DefaultScript(itl=0.1)),
+    held = Held(40)
+    engines = [FakeEngine(held_for("long", held)), FakeEngine(held_for("long", held)),
                FakeEngine(healthy=False)]  # fmt: skip
     with trio.fail_after(30):
         async with fleet(engines, dns_entry()) as gw:
@@ -125,6 +155,7 @@ async def test_dns_name_gains_and_loses_addresses_without_dropping_a_stream(
                     r = await chat(gw, max_tokens=1, request_id=f"drain{i}")
                     assert r.status_code == 200, r.text
                     assert served_by(gw, f"drain{i}") == [1 - busy]  # the third is not ready
+                held.release()
             events = sse_events(result[0].text)
             assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
             text = "".join(

@@ -6,7 +6,7 @@
    side effects (configuring logging, or logging at import time; a ``getLogger`` is fine).
    Checked statically (ast) and at run time (a fresh interpreter that imports every core
    module must not have loaded any of them).
-2. Public surface: every module of ``sieproxy/`` and ``sieproxy/core/`` defines ``__all__`` as a
+2. Public surface: every module of ``sieproxy/`` and its subpackages defines ``__all__`` as a
    literal list of strings, without duplicates, and every listed name exists in the module.
 """
 
@@ -234,7 +234,8 @@ STATIC_ONLY = {"sieproxy.asgi"}
 
 
 def _public_modules() -> list[Path]:
-    return sorted([*PKG.glob("*.py"), *CORE.glob("*.py")])
+    """Every module of the package, its subpackages' too (``core``, ``hypercorn_io``)."""
+    return sorted(PKG.rglob("*.py"))
 
 
 def _static_all(path: Path) -> tuple[list[str] | None, set[str]]:

@@ -26,13 +26,14 @@ from hypercorn.config import Config
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol.events import Body
 from hypercorn.protocol.h11 import H11Protocol
-from hypercorn.protocol.http_stream import HTTPStream
+from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer as HypercornTCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
 from sieproxy import hypercorn_io
-from sieproxy.hypercorn_io import TCPServer
+from sieproxy.hypercorn_io import TCPServer, asgi_side, connection
+from sieproxy.hypercorn_io import body as writers
 
 from .harness import (
     MODEL,
@@ -235,7 +236,7 @@ class _Paths:
         self.h11_bodies = 0
         self.direct = 0
         stream_send = H11Protocol.stream_send
-        frame = hypercorn_io._frame
+        frame = writers._frame
 
         async def counting_stream_send(proto: H11Protocol, event: Any) -> None:
             self.h11_bodies += isinstance(event, Body)
@@ -246,7 +247,7 @@ class _Paths:
             return frame(data)
 
         monkeypatch.setattr(H11Protocol, "stream_send", counting_stream_send)
-        monkeypatch.setattr(hypercorn_io, "_frame", counting_frame)
+        monkeypatch.setattr(writers, "_frame", counting_frame)
 
     def reset(self) -> None:  # the harness's readiness probes went h11's way
         self.h11_bodies = self.direct = 0
@@ -405,7 +406,7 @@ async def test_without_trios_yield_counter_every_piece_yields(
 ) -> None:
     mine, peer = _pair()
     server, _ = _server(mine)
-    monkeypatch.setattr(hypercorn_io, "_yields", lambda task: None)
+    monkeypatch.setattr(writers, "_yields", lambda task: None)
     w = _chunk_writer(server)
     await trio.lowlevel.checkpoint()
     with trio.testing.assert_checkpoints():
@@ -630,7 +631,7 @@ def _watch_run(script: Any) -> list[float]:
     """Run ``script(watch, group, conn)`` under a mock clock; the close times, from 0."""
     clock = trio.testing.MockClock(autojump_threshold=0)
     conn = _Watched(keep_alive=5)
-    watch = hypercorn_io._KeepAlive(conn)  # type: ignore[arg-type]
+    watch = connection._KeepAlive(conn)  # type: ignore[arg-type]
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -730,7 +731,7 @@ async def test_send_together_holds_nothing_on_another_protocol(
     mine, peer = _pair()
     server, _ = _server(mine)
     writes = _Writes(monkeypatch)
-    hypercorn_io._SERVING.set(server)
+    asgi_side._SERVING.set(server)
 
     async def send(message: dict[str, Any]) -> None:
         await server.protocol_send(RawData(data=message["type"].encode()))
@@ -749,7 +750,7 @@ async def test_send_together_writes_what_hypercorn_sends_once(
     server, _ = _server(mine)
     _holding(server)
     writes = _Writes(monkeypatch)
-    hypercorn_io._SERVING.set(server)
+    asgi_side._SERVING.set(server)
 
     async def send(message: dict[str, Any]) -> None:  # Hypercorn's protocol, as far as it goes
         await server.protocol_send(RawData(data=message["type"].encode() + b";"))
@@ -777,7 +778,7 @@ async def test_send_together_without_a_framing_connection_sends_the_first_piece_
     server, _ = _server(mine)
     _holding(server)
     writes = _Writes(monkeypatch)
-    hypercorn_io._SERVING.set(server)
+    asgi_side._SERVING.set(server)
     sent: list[dict[str, Any]] = []
 
     async def send(message: dict[str, Any]) -> None:
@@ -800,7 +801,7 @@ async def test_send_together_writes_what_it_held_when_a_send_fails(
     server, _ = _server(mine)
     _holding(server)
     writes = _Writes(monkeypatch)
-    hypercorn_io._SERVING.set(server)
+    asgi_side._SERVING.set(server)
 
     async def send(message: dict[str, Any]) -> None:
         if message["type"] == "boom":
@@ -867,7 +868,7 @@ async def test_send_together_writes_what_it_held_before_the_connection_closes() 
     mine, peer = _pair()
     server, _ = _server(mine)
     _holding(server)
-    hypercorn_io._SERVING.set(server)
+    asgi_side._SERVING.set(server)
 
     async def send(message: dict[str, Any]) -> None:
         await server.protocol_send(RawData(data=b"answer"))
@@ -886,7 +887,7 @@ async def test_a_streamed_head_is_the_bytes_hypercorn_and_h11_write(
     request and ASGI headers (h11 itself, server side, is the reference), h11 is left framing
     the body as chunks, and the connection serves the next request."""
     made: list[tuple[list[tuple[bytes, bytes]], bytes | None, hypercorn_io.Head | None]] = []
-    real = hypercorn_io._head_bytes
+    real = writers._head_bytes
 
     def spy(
         server: TCPServer, message: dict[str, Any], prepared: hypercorn_io.Head | None = None
@@ -895,7 +896,7 @@ async def test_a_streamed_head_is_the_bytes_hypercorn_and_h11_write(
         made.append((list(message["headers"]), got, prepared))
         return got
 
-    monkeypatch.setattr(hypercorn_io, "_head_bytes", spy)
+    monkeypatch.setattr(writers, "_head_bytes", spy)
     async with running_gateway() as gw:
         writes = _Writes(monkeypatch)
         sock, conn = await _kept_alive(gw)
@@ -903,7 +904,7 @@ async def test_a_streamed_head_is_the_bytes_hypercorn_and_h11_write(
         with trio.fail_after(20):
             head, body = await exchange(sock, conn, request, data)
             assert head.status_code == 200 and sse_events(body.decode())[-1] == "[DONE]"
-            (asgi_headers, fast, prepared), = made
+            ((asgi_headers, fast, prepared),) = made
             assert fast is not None
             assert prepared is not None  # made while the engine worked on the request
             first = next(w for w in writes.writes if w.startswith(b"HTTP/1.1 200"))
@@ -944,7 +945,7 @@ async def test_a_streamed_head_is_the_bytes_hypercorn_and_h11_write(
 def test_the_fast_head_leaves_everything_else_to_hypercorn(message: dict[str, Any]) -> None:
     """Any other status, a header h11 owns (framing, connection), a header h11 would refuse
     (it raises, on Hypercorn's path), or another message: no bytes, nothing changed."""
-    assert hypercorn_io._head_bytes(_served_h11(), message) is None
+    assert writers._head_bytes(_served_h11(), message) is None
 
 
 def _served_h11(keep_alive: bool = True, version: bytes = b"1.1") -> TCPServer:
@@ -962,7 +963,7 @@ def _served_h11(keep_alive: bool = True, version: bytes = b"1.1") -> TCPServer:
         pass
     stream = HTTPStream.__new__(HTTPStream)
     stream.closed = False
-    stream.state = hypercorn_io.ASGIHTTPState.REQUEST
+    stream.state = ASGIHTTPState.REQUEST
     proto.stream = stream
     server.protocol = type("P", (), {"protocol": proto})()  # type: ignore[assignment]
     return server
@@ -973,9 +974,9 @@ def test_the_fast_head_is_only_for_kept_alive_http11(keep_alive: bool, version: 
     """A connection that must close after the response (``Connection: close``, HTTP/1.0: no
     chunked framing) gets Hypercorn's and h11's head, which says so."""
     start = {"type": "http.response.start", "status": 200, "headers": []}
-    assert hypercorn_io._head_bytes(_served_h11(keep_alive, version), start) is None
+    assert writers._head_bytes(_served_h11(keep_alive, version), start) is None
     server = _served_h11()
-    head = hypercorn_io._head_bytes(server, start)
+    head = writers._head_bytes(server, start)
     assert head is not None and head.startswith(b"HTTP/1.1 200 \r\n")
     assert head.endswith(b"Transfer-Encoding: chunked\r\n\r\n")
     conn = server.protocol.protocol.connection  # type: ignore[attr-defined]
@@ -990,24 +991,24 @@ def test_a_prepared_head_is_what_the_send_would_make(monkeypatch: pytest.MonkeyP
     start = {"type": "http.response.start", "status": 200, "headers": [(b"x-a", b"1")]}
     assert hypercorn_io.prepare_head(start) is None
     server = _served_h11()
-    token = hypercorn_io._SERVING.set(server)
+    token = asgi_side._SERVING.set(server)
     try:
         prepared = hypercorn_io.prepare_head(start)
         assert hypercorn_io.prepare_head({**start, "status": 404}) is None
     finally:
-        hypercorn_io._SERVING.reset(token)
+        asgi_side._SERVING.reset(token)
     assert prepared is not None and prepared.data.startswith(b"HTTP/1.1 200 \r\nx-a: 1\r\n")
-    assert hypercorn_io._head_bytes(server, start, prepared) is prepared.data
+    assert writers._head_bytes(server, start, prepared) is prepared.data
     conn = server.protocol.protocol.connection  # type: ignore[attr-defined]
     assert conn.our_state is h11.SEND_BODY and type(conn._writer).__name__ == "ChunkedWriter"
 
-    later = hypercorn_io.time.time() + 3600
-    monkeypatch.setattr(hypercorn_io.time, "time", lambda: later)
+    later = writers.time.time() + 3600
+    monkeypatch.setattr(writers.time, "time", lambda: later)
     monkeypatch.setattr("hypercorn.config.time", lambda: later)  # Hypercorn's date, too
     server = _served_h11()
-    again = hypercorn_io._head_bytes(server, start, prepared)
+    again = writers._head_bytes(server, start, prepared)
     assert again is not None and again != prepared.data
-    assert again == hypercorn_io._head_bytes(_served_h11(), start)  # as made at send time
+    assert again == writers._head_bytes(_served_h11(), start)  # as made at send time
     conn = server.protocol.protocol.connection  # type: ignore[attr-defined]
     assert conn.our_state is h11.SEND_BODY
 
@@ -1018,7 +1019,7 @@ async def test_a_small_requests_body_is_queued_before_its_app_runs() -> None:
     the app's ``receive`` returns a queued message at once and waits otherwise, and
     ``nowait`` gives what is queued or ``None``."""
     put_end, take_end = trio.open_memory_channel[Any](10)
-    put = hypercorn_io._putter(put_end)
+    put = asgi_side._putter(put_end)
     receive = hypercorn_io.Receive(take_end)
     with trio.testing.assert_no_checkpoints():
         await put({"n": 1})

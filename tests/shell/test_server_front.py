@@ -7,8 +7,12 @@ served correctly."""
 
 from __future__ import annotations
 
+import ast
+import importlib
+import inspect
 import logging
 import select
+from pathlib import Path
 from typing import Any
 
 import h11._writers
@@ -18,7 +22,7 @@ from hypercorn.trio.tcp_server import TCPServer as HypercornTCPServer
 
 from engine.fake import FakeEngine, Plan
 from sieproxy import hypercorn_io
-from sieproxy.hypercorn_io import PortableTCPServer, TCPServer
+from sieproxy.hypercorn_io import PortableTCPServer, TCPServer, fence
 
 from .harness import Gateway, running_gateway, sse_events
 
@@ -63,6 +67,99 @@ def test_the_installed_libraries_have_everything_the_front_relies_on() -> None:
     """On the versions pyproject.toml allows, nothing is missing: an upgrade that drops a name
     fails here, not only as a log line and slower serving."""
     assert hypercorn_io.missing() == []
+
+
+def _private_names_used(tree: ast.AST) -> set[str]:
+    """The single-underscore names ``tree`` reads, writes or calls as an attribute (``x._y``,
+    ``getattr(x, "_y")``) or passes as a keyword (``_parsed=``)."""
+    used: set[str] = set()
+    for node in ast.walk(tree):
+        name = None
+        if isinstance(node, ast.Attribute):
+            name = node.attr
+        elif isinstance(node, ast.keyword):
+            name = node.arg
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+        ):
+            name = node.args[1].value
+        if isinstance(name, str) and name.startswith("_") and not name.startswith("__"):
+            used.add(name)
+    return used
+
+
+def _own_private_names(module: Any, tree: ast.AST) -> set[str]:
+    """The private attributes the package's own classes in ``module`` define (slots, methods,
+    ``self._x =``), less those another library's base class already has (an override of a
+    private method is reliance on it, not an own name)."""
+    own: dict[str, type] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        cls = getattr(module, node.name)
+        names = set(getattr(cls, "__slots__", ()))
+        for item in ast.walk(node):
+            if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                names.add(item.name)
+            elif (
+                isinstance(item, ast.Attribute)
+                and isinstance(item.ctx, ast.Store)
+                and isinstance(item.value, ast.Name)
+                and item.value.id == "self"
+            ):
+                names.add(item.attr)
+        own.update(dict.fromkeys(names, cls))
+    foreign = {
+        base
+        for cls in own.values()
+        for base in cls.__mro__
+        if not base.__module__.startswith("sieproxy.") and base is not object
+    }
+    return {
+        name
+        for name in own
+        if not any(hasattr(base, name) or name in fence._named(base) for base in foreign)
+    }
+
+
+def test_the_fence_lists_every_private_name_the_package_uses() -> None:
+    """Every other library's private name that a module of ``sieproxy.hypercorn_io`` touches is
+    one ``missing()`` checks at start (``_RELIED_ON``, ``_PRIVATE``, or h11's ``_parsed``,
+    which it tries), and no module imports another library's private module: those names are
+    looked up through the fence."""
+    checked = {"_parsed"}  # missing() builds an h11.Response with it
+    checked |= {name.rsplit(".", 1)[1] for name in fence._PRIVATE}
+    for _cls, on_class, on_instances in fence._RELIED_ON:
+        checked |= {*on_class, *on_instances}
+    package = Path(inspect.getfile(fence)).parent
+    modules = sorted(package.glob("*.py"))
+    assert {p.stem for p in modules} >= {"__init__", "fence", "connection", "body"}
+    trees: dict[str, ast.AST] = {}
+    own: set[str] = set()  # the package's own classes' names, usable in any of its modules
+    for path in modules:
+        name = "sieproxy.hypercorn_io" + ("" if path.stem == "__init__" else f".{path.stem}")
+        trees[name] = tree = ast.parse(path.read_text("utf-8"))
+        own |= _own_private_names(importlib.import_module(name), tree)
+    unchecked: dict[str, set[str]] = {}
+    for name, tree in trees.items():
+        private_imports = [
+            n.module
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom)
+            and n.module
+            and not n.level
+            and any(part.startswith("_") for part in n.module.split("."))
+            and n.module != "__future__"
+        ]
+        assert private_imports == [], f"{name} imports private modules: {private_imports}"
+        gaps = _private_names_used(tree) - own - checked
+        if gaps:
+            unchecked[name] = gaps
+    assert unchecked == {}
 
 
 @pytest.mark.parametrize(

@@ -1,35 +1,29 @@
 """The upstream HTTP client: SGLang's native API on Trio.
 
-This is the one boundary where transport exceptions become core errors. Two clients live here:
+This module and ``sieproxy.upstream_http`` are the one boundary where transport exceptions
+become core errors. Two clients live here:
 
 * **The generation path** (``/generate`` streams and ``/abort_request``) uses the gateway's own
-  HTTP/1.1 connection pool: trio sockets plus the sans-IO framing of ``core.http1``. It exists
-  because every relayed token crosses it: httpx over httpcore over h11 cost ~19 % of the
-  gateway's CPU per relayed chunk (six nested async generators and context managers per
-  received chunk, a pool scan per request); see docs/DESIGN.md "Upstream client" for the
-  measurements. It keeps what the hot path needs and nothing else: keep-alive reuse (LIFO, idle
-  connections checked for a peer close before reuse and dropped after ``_IDLE_EXPIRY`` seconds,
-  below uvicorn's 5 s keep-alive default), a cap on connections in use (``max_connections``, wait
-  up to ``pool_timeout``), a cap on idle connections (``max_keepalive_connections``), connect
-  and write timeouts (``connect_timeout``) and no read timeout (the relay enforces the token-gap
-  timeout per chunk). ``https://`` engines go through ``trio.SSLStream`` with the system trust
-  store. Redirects are never followed: engines are reached only at configured URLs.
+  HTTP/1.1 connection pool: its connections and exchanges are ``sieproxy.upstream_http`` (which
+  says why it exists), pooled here. It keeps what the hot path needs and nothing else:
+  keep-alive reuse (LIFO, idle connections checked for a peer close before reuse and dropped
+  after ``_IDLE_EXPIRY`` seconds, below uvicorn's 5 s keep-alive default), a cap on connections
+  in use (``max_connections``, wait up to ``pool_timeout``), a cap on idle connections
+  (``max_keepalive_connections``), connect and write timeouts (``connect_timeout``) and no read
+  timeout (the relay enforces the token-gap timeout per chunk). ``https://`` engines go through
+  ``trio.SSLStream`` with the system trust store. Redirects are never followed: engines are
+  reached only at configured URLs.
 * **Health and info checks** (cold path, their own small pool so a burst of streams can never
   starve them) use httpx with explicit timeouts.
-
-A stream that is left early is closed, never returned to the pool half-read.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
-import select
 import ssl
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -37,276 +31,17 @@ import httpx
 import msgspec
 import trio
 
-from .core.errors import (
-    EngineHTTPError,
-    EngineMalformed,
-    EngineTruncated,
-    EngineUnreachable,
-    GatewayError,
-)
-from .core.http1 import FramingError, ResponseParser, request_head
-from .core.refusal import classify, engine_message
+from .core.errors import EngineMalformed, EngineTruncated, EngineUnreachable, GatewayError
+from .core.http1 import request_head
 from .settings import GatewaySettings
+from .upstream_http import DRAIN_LIMIT, Conn, Exchange, Origin, UpstreamResponse
 
-__all__ = ["EngineClient", "UpstreamResponse", "parse_load"]
+__all__ = ["EngineClient", "Exchange", "UpstreamResponse", "parse_load"]
 
 _encode = msgspec.json.Encoder().encode
-_RECV = 65536
 #: Idle upstream connections older than this are closed instead of reused (uvicorn, which
 #: SGLang's HTTP server runs on, closes idle keep-alive connections after 5 s by default).
 _IDLE_EXPIRY = 4.0
-#: A non-200 answer's body is read (and dropped) up to this size so the connection can be reused.
-_DRAIN_LIMIT = 65536
-_BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
-
-
-@dataclass(slots=True)
-class _Origin:
-    """One engine base URL, parsed once."""
-
-    key: str
-    host: str
-    port: int
-    authority: str
-    prefix: str
-    tls: bool
-
-
-@dataclass(slots=True, eq=False)
-class _Conn:
-    stream: trio.abc.Stream
-    sock: trio.socket.SocketType
-    idle_since: float = 0.0
-    #: Plain TCP: reads and writes go to the socket's file descriptor directly and wait for
-    #: readiness only when they would block (an await that blocks is still a checkpoint; one
-    #: that need not, is not). Trio's stream layers add a scheduler round trip to every call
-    #: that succeeds at once, and per-call wrappers (docs/DESIGN.md). TLS uses ``stream``.
-    plain: bool = False
-    tls_read: bytes | None = None  # TLS: what ``wait_readable`` read
-
-    async def send_all(self, data: bytes) -> None:
-        if not self.plain:
-            await self.stream.send_all(data)
-            return
-        view = memoryview(data)
-        while view:
-            try:
-                # fileno() is -1 once closed (never a reused descriptor): that raises EBADF.
-                view = view[os.write(self.sock.fileno(), view) :]
-            except BlockingIOError:
-                await trio.lowlevel.wait_writable(self.sock)
-
-    async def receive(self) -> bytes:
-        """The next bytes from the engine, ``b""`` at its end of stream."""
-        while (data := self.receive_nowait()) is None:
-            await self.wait_readable()
-        return data
-
-    def receive_nowait(self) -> bytes | None:
-        """The bytes already there (``b""`` at the end of stream), ``None`` if none."""
-        if not self.plain:
-            data, self.tls_read = self.tls_read, None
-            return data
-        try:
-            return os.read(self.sock.fileno(), _RECV)
-        except BlockingIOError:
-            return None
-
-    async def wait_readable(self) -> None:
-        """Until ``receive_nowait()`` has something (TLS: this reads it)."""
-        if self.plain:
-            await trio.lowlevel.wait_readable(self.sock)
-        else:
-            self.tls_read = bytes(await self.stream.receive_some(_RECV))
-
-    def close(self) -> None:
-        """Close now, synchronously (safe inside a cancelled scope; wakes any waiter)."""
-        self.sock.close()
-
-    def dead(self) -> bool:
-        """An idle connection that is readable has been closed by the peer (or sent bytes
-        nobody asked for): it must not carry a request."""
-        try:
-            poller = select.poll()
-            poller.register(self.sock.fileno(), select.POLLIN)
-            return bool(poller.poll(0))
-        except (OSError, ValueError):
-            return True
-
-
-def _truncated(exc: BaseException, message: str) -> EngineTruncated:
-    """The gateway error for a socket or framing failure on an open engine connection."""
-    if isinstance(exc, FramingError):
-        return EngineTruncated("The engine sent a malformed HTTP response.")
-    return EngineTruncated(message)
-
-
-class UpstreamResponse:
-    """An engine response whose head has arrived; ``receive()`` returns body bytes, ``b""`` at
-    the end of the body."""
-
-    __slots__ = ("_conn", "_parser", "_pending", "status")
-
-    def __init__(self, conn: _Conn, parser: ResponseParser, pending: bytes) -> None:
-        self._conn = conn
-        self._parser = parser
-        self._pending = pending  # body bytes that arrived with the head
-        assert parser.status is not None
-        self.status: int = parser.status
-
-    @property
-    def reusable(self) -> bool:
-        return self._parser.done and self._parser.keep_alive
-
-    def close(self) -> None:
-        """Close the connection now, synchronously, from any task not reading it (the engine
-        sees the disconnect; this response is never reused)."""
-        self._conn.close()
-
-    @property
-    def finished(self) -> bool:
-        """The whole body was received: ``receive_nowait`` returns ``b""`` without reading."""
-        return self._parser.done and not self._pending
-
-    def fileno(self) -> int:
-        """The socket's descriptor, for a readiness wait by another task (``sieproxy.pump``);
-        -1 on TLS (bytes can be ready inside the TLS layer) or once closed."""
-        return self._conn.sock.fileno() if self._conn.plain else -1
-
-    async def receive(self) -> bytes:
-        """Body bytes, ``b""`` at the end of the body."""
-        while (out := self.receive_nowait()) is None:
-            await self.wait_readable()
-        return out
-
-    async def wait_readable(self) -> None:
-        """Until ``receive_nowait()`` may have something."""
-        try:
-            await self._conn.wait_readable()
-        except _BROKEN as exc:
-            raise _truncated(exc, "The connection to the engine broke mid-response.") from exc
-
-    def receive_nowait(self) -> bytes | None:
-        """``receive()`` if it would not block, else ``None`` (nothing ready yet)."""
-        if self._pending:
-            out, self._pending = self._pending, b""
-            return out
-        parser = self._parser
-        try:
-            while not parser.done:
-                data = self._conn.receive_nowait()
-                if data is None:
-                    return None
-                if not data:
-                    parser.eof()
-                    return b""
-                out = parser.feed(data)
-                if out:
-                    return out
-        except (FramingError, *_BROKEN) as exc:
-            raise _truncated(exc, "The connection to the engine broke mid-response.") from exc
-        return b""
-
-    async def read_all(self, limit: int) -> bytes:
-        parts: list[bytes] = []
-        size = 0
-        while chunk := await self.receive():
-            size += len(chunk)
-            if size > limit:
-                raise EngineTruncated("The engine's response was too large.")
-            parts.append(chunk)
-        return b"".join(parts)
-
-
-#: The error text of a connection that broke before the engine's response head (while the
-#: request was sent, or while its head was awaited).
-_BROKE_BEFORE = "The connection to the engine broke before the response."
-
-
-class Exchange:
-    """One request to the engine on a pooled connection, as an async context manager that
-    yields the response once its head arrived (``EngineClient._post``).
-
-    ``send()`` checks a connection out and writes the request; entering the context sends it
-    if that has not happened yet, then waits for the response head. Splitting the two lets a
-    caller do its own work while the engine works on the request
-    (``relay.GenerationBody.open``). Both end at the exchange's deadline; a request the engine
-    does not take within ``connect_timeout`` is ``EngineUnreachable``. Leaving the context puts
-    the connection back in the pool if the response was read to its end, and closes it
-    otherwise, also after a ``send()`` whose response was never awaited. A ``send()`` or an
-    entry that fails lets the connection go itself.
-    """
-
-    __slots__ = ("_client", "_conn", "_data", "_deadline", "_ok_only", "_origin", "_resp")
-
-    def __init__(
-        self, client: EngineClient, origin: _Origin, data: bytes, deadline: float, ok_only: bool
-    ) -> None:
-        self._client, self._origin, self._data = client, origin, data
-        self._deadline, self._ok_only = deadline, ok_only
-        self._conn: _Conn | None = None
-        self._resp: UpstreamResponse | None = None
-
-    async def send(self) -> None:
-        """Check out a connection and write the request (it is sent once this returns: the
-        exchange then holds the connection)."""
-        assert self._conn is None and self._resp is None
-        client, deadline = self._client, self._deadline
-        try:
-            with trio.CancelScope(deadline=deadline) as scope:
-                c = self._conn = await client._checkout(self._origin)
-                scope.deadline = min(deadline, trio.current_time() + client._g.connect_timeout)
-                try:
-                    await c.send_all(self._data)
-                except _BROKEN as exc:
-                    raise _truncated(exc, _BROKE_BEFORE) from exc
-            if scope.cancelled_caught:  # this scope's deadline fired
-                if scope.deadline < deadline:
-                    raise EngineUnreachable("The engine did not take the request in time.")
-                raise trio.TooSlowError
-        except BaseException:
-            self._release()
-            raise
-
-    async def __aenter__(self) -> UpstreamResponse:
-        if self._conn is None:
-            await self.send()
-        c = self._conn
-        assert c is not None
-        try:
-            with trio.CancelScope(deadline=self._deadline):
-                try:
-                    parser = ResponseParser()
-                    rest = b""
-                    while parser.status is None:
-                        got = await c.receive()
-                        if not got:
-                            parser.eof()
-                        rest = parser.feed(got)
-                except (FramingError, *_BROKEN) as exc:
-                    raise _truncated(exc, _BROKE_BEFORE) from exc
-                self._resp = UpstreamResponse(c, parser, rest)
-            resp = self._resp
-            if resp is None:  # the deadline fired
-                raise trio.TooSlowError
-            if self._ok_only and resp.status != 200:
-                text = b""
-                with contextlib.suppress(GatewayError):
-                    text = await resp.read_all(_DRAIN_LIMIT)
-                raise _status_error(resp.status, text)
-        except BaseException:
-            self._release()
-            raise
-        return resp
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._release()
-
-    def _release(self) -> None:
-        c, self._conn = self._conn, None
-        if c is not None:
-            resp = self._resp
-            self._client._checkin(self._origin, c, resp is not None and resp.reusable)
 
 
 class EngineClient:
@@ -320,8 +55,8 @@ class EngineClient:
         ssl_context: ssl.SSLContext | None = None,
     ):
         self._g = g
-        self._origins: dict[str, _Origin] = {}
-        self._idle: dict[str, deque[_Conn]] = {}
+        self._origins: dict[str, Origin] = {}
+        self._idle: dict[str, deque[Conn]] = {}
         self._idle_count = 0
         self._max_idle = max(0, g.max_keepalive_connections)
         self._in_use = trio.Semaphore(max(1, g.max_connections))
@@ -353,14 +88,14 @@ class EngineClient:
         await self._client.aclose()
 
     # ------------------------------------------------------------------ connections
-    def _origin(self, base: str) -> _Origin:
+    def _origin(self, base: str) -> Origin:
         o = self._origins.get(base)
         if o is None:
             u = urlsplit(base)
             tls = u.scheme == "https"
             host = u.hostname or ""
             port = u.port or (443 if tls else 80)
-            o = _Origin(
+            o = Origin(
                 key=f"{u.scheme}://{host}:{port}",
                 host=host,
                 port=port,
@@ -372,11 +107,16 @@ class EngineClient:
         return o
 
     @property
+    def connect_timeout(self) -> float:
+        """Seconds to open a connection, and to write a request on one (``Exchange.send``)."""
+        return self._g.connect_timeout
+
+    @property
     def spare_connections(self) -> int:
         """How many connections can be checked out now without waiting for a slot."""
         return self._in_use.value
 
-    async def _checkout(self, o: _Origin) -> _Conn:
+    async def checkout(self, o: Origin) -> Conn:
         """A connection to ``o`` counted against ``max_connections`` (an idle one if a live one
         is there, else a new one)."""
         try:
@@ -402,7 +142,7 @@ class EngineClient:
             self._in_use.release()
             raise
 
-    async def _connect(self, o: _Origin) -> _Conn:
+    async def _connect(self, o: Origin) -> Conn:
         with trio.move_on_after(self._g.connect_timeout) as scope:
             try:
                 tcp = await trio.open_tcp_stream(o.host, o.port)
@@ -417,11 +157,11 @@ class EngineClient:
                     tcp.socket.close()
                     raise EngineUnreachable() from exc
                 stream = tls
-            return _Conn(stream, tcp.socket, plain=not o.tls)
+            return Conn(stream, tcp.socket, plain=not o.tls)
         assert scope.cancelled_caught
         raise EngineUnreachable("The engine did not accept a connection in time; retry shortly.")
 
-    def _checkin(self, o: _Origin, c: _Conn, reusable: bool) -> None:
+    def checkin(self, o: Origin, c: Conn, reusable: bool) -> None:
         self._in_use.release()
         idle = self._idle.get(o.key)
         if idle is None:
@@ -479,7 +219,7 @@ class EngineClient:
     async def post(self, base: str, path: str, body: dict[str, Any]) -> None:
         """POST a small request whose answer is drained and dropped (an abort)."""
         async with self._post(base, path, body) as resp:
-            await resp.read_all(_DRAIN_LIMIT)
+            await resp.read_all(DRAIN_LIMIT)
 
     async def abort(self, base: str, rid: str) -> None:
         """POST ``/abort_request`` for exactly ``rid`` (SGLang ignores prefixes)."""
@@ -566,20 +306,3 @@ def _map_errors() -> Iterator[None]:
         raise EngineUnreachable("The engine did not answer in time; retry shortly.") from exc
     except httpx.HTTPError as exc:
         raise EngineTruncated("The engine connection failed.") from exc
-
-
-def _status_error(status: int, body: bytes = b"") -> EngineHTTPError:
-    if status == 400:
-        msg = "The engine refused the request (for example, the prompt is too long)."
-    elif status in (429, 503):
-        msg = "The engine is busy or not ready; retry shortly."
-    else:
-        msg = f"The engine answered with HTTP {status}."
-    err = EngineHTTPError(msg, engine_status=status)
-    if status == 400:  # the only status answered as the client's 400
-        try:
-            text = engine_message(msgspec.json.decode(body)) if body else None
-        except msgspec.DecodeError:
-            text = None
-        err.refusal = classify(text)
-    return err

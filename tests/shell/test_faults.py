@@ -346,7 +346,7 @@ HANGS: list[tuple[str, Fault, bool]] = [
     ("fault", "after_chunk"), [c[1:] for c in HANGS], ids=[c[0] for c in HANGS]
 )
 async def test_engine_hang_times_out_and_aborts(fault: Fault, after_chunk: bool, n: int) -> None:
-    """token_gap_timeout covers the time to the first token too (settings.py), so a hang
+    """token_gap_timeout covers the time to the first token too (settings_schema.py), so a hang
     anywhere ends the request within a bounded time and aborts the hung rid upstream (n = 1:
     the response task's own reads; n = 2: each candidate task's)."""
     engine = FakeEngine(script=faulty(Plan(TOKENS, fault=fault)))

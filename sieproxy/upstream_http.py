@@ -1,0 +1,327 @@
+"""The generation path's HTTP/1.1 to engines: a connection, one exchange on it, its response.
+
+The ``/generate`` streams and ``/abort_request`` calls go over trio sockets with the sans-IO
+framing of ``core.http1``, not httpx. This exists because every relayed token crosses it: httpx
+over httpcore over h11 cost ~19 % of the gateway's CPU per relayed chunk (six nested async
+generators and context managers per received chunk, a pool scan per request); see
+docs/DESIGN.md "Upstream client" for the measurements. ``UpstreamResponse.receive_nowait`` is
+the per-chunk read.
+
+The connections belong to a pool (``ConnectionPool``: ``sieproxy.engine_client.EngineClient``,
+which also owns keep-alive, the connection caps and the timeouts); an ``Exchange`` checks one
+out for one request and back in at its end. Socket and framing failures on an open connection
+become ``EngineTruncated`` here, a non-200 answer ``EngineHTTPError``. A stream that is left
+early is closed, never returned to the pool half-read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+import trio
+
+from .core.errors import EngineHTTPError, EngineTruncated, EngineUnreachable, GatewayError
+from .core.http1 import FramingError, ResponseParser
+from .core.refusal import classify, engine_message
+
+__all__ = [
+    "DRAIN_LIMIT",
+    "Conn",
+    "ConnectionPool",
+    "Exchange",
+    "Origin",
+    "UpstreamResponse",
+]
+
+_RECV = 65536
+#: A non-200 answer's body is read (and dropped) up to this size so the connection can be reused.
+DRAIN_LIMIT = 65536
+_BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+
+@dataclass(slots=True)
+class Origin:
+    """One engine base URL, parsed once."""
+
+    key: str
+    host: str
+    port: int
+    authority: str
+    prefix: str
+    tls: bool
+
+
+@dataclass(slots=True, eq=False)
+class Conn:
+    stream: trio.abc.Stream
+    sock: trio.socket.SocketType
+    idle_since: float = 0.0
+    #: Plain TCP: reads and writes go to the socket's file descriptor directly and wait for
+    #: readiness only when they would block (an await that blocks is still a checkpoint; one
+    #: that need not, is not). Trio's stream layers add a scheduler round trip to every call
+    #: that succeeds at once, and per-call wrappers (docs/DESIGN.md). TLS uses ``stream``.
+    plain: bool = False
+    tls_read: bytes | None = None  # TLS: what ``wait_readable`` read
+
+    async def send_all(self, data: bytes) -> None:
+        if not self.plain:
+            await self.stream.send_all(data)
+            return
+        view = memoryview(data)
+        while view:
+            try:
+                # fileno() is -1 once closed (never a reused descriptor): that raises EBADF.
+                view = view[os.write(self.sock.fileno(), view) :]
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(self.sock)
+
+    async def receive(self) -> bytes:
+        """The next bytes from the engine, ``b""`` at its end of stream."""
+        while (data := self.receive_nowait()) is None:
+            await self.wait_readable()
+        return data
+
+    def receive_nowait(self) -> bytes | None:
+        """The bytes already there (``b""`` at the end of stream), ``None`` if none."""
+        if not self.plain:
+            data, self.tls_read = self.tls_read, None
+            return data
+        try:
+            return os.read(self.sock.fileno(), _RECV)
+        except BlockingIOError:
+            return None
+
+    async def wait_readable(self) -> None:
+        """Until ``receive_nowait()`` has something (TLS: this reads it)."""
+        if self.plain:
+            await trio.lowlevel.wait_readable(self.sock)
+        else:
+            self.tls_read = bytes(await self.stream.receive_some(_RECV))
+
+    def close(self) -> None:
+        """Close now, synchronously (safe inside a cancelled scope; wakes any waiter)."""
+        self.sock.close()
+
+    def dead(self) -> bool:
+        """An idle connection that is readable has been closed by the peer (or sent bytes
+        nobody asked for): it must not carry a request."""
+        try:
+            poller = select.poll()
+            poller.register(self.sock.fileno(), select.POLLIN)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):
+            return True
+
+
+class ConnectionPool(Protocol):
+    """What an exchange needs from the pool that owns its connection (``EngineClient``)."""
+
+    @property
+    def connect_timeout(self) -> float:
+        """Seconds a request may take to be written (``gateway.connect_timeout``)."""
+        ...
+
+    async def checkout(self, o: Origin) -> Conn:
+        """A connection to ``o``, counted against the pool's cap until checked in."""
+        ...
+
+    def checkin(self, o: Origin, c: Conn, reusable: bool) -> None:
+        """``c`` back: kept idle if ``reusable`` (and there is room), else closed."""
+        ...
+
+
+def _truncated(exc: BaseException, message: str) -> EngineTruncated:
+    """The gateway error for a socket or framing failure on an open engine connection."""
+    if isinstance(exc, FramingError):
+        return EngineTruncated("The engine sent a malformed HTTP response.")
+    return EngineTruncated(message)
+
+
+class UpstreamResponse:
+    """An engine response whose head has arrived; ``receive()`` returns body bytes, ``b""`` at
+    the end of the body."""
+
+    __slots__ = ("_conn", "_parser", "_pending", "status")
+
+    def __init__(self, conn: Conn, parser: ResponseParser, pending: bytes) -> None:
+        self._conn = conn
+        self._parser = parser
+        self._pending = pending  # body bytes that arrived with the head
+        assert parser.status is not None
+        self.status: int = parser.status
+
+    @property
+    def reusable(self) -> bool:
+        return self._parser.done and self._parser.keep_alive
+
+    def close(self) -> None:
+        """Close the connection now, synchronously, from any task not reading it (the engine
+        sees the disconnect; this response is never reused)."""
+        self._conn.close()
+
+    @property
+    def finished(self) -> bool:
+        """The whole body was received: ``receive_nowait`` returns ``b""`` without reading."""
+        return self._parser.done and not self._pending
+
+    def fileno(self) -> int:
+        """The socket's descriptor, for a readiness wait by another task (``sieproxy.pump``);
+        -1 on TLS (bytes can be ready inside the TLS layer) or once closed."""
+        return self._conn.sock.fileno() if self._conn.plain else -1
+
+    async def receive(self) -> bytes:
+        """Body bytes, ``b""`` at the end of the body."""
+        while (out := self.receive_nowait()) is None:
+            await self.wait_readable()
+        return out
+
+    async def wait_readable(self) -> None:
+        """Until ``receive_nowait()`` may have something."""
+        try:
+            await self._conn.wait_readable()
+        except _BROKEN as exc:
+            raise _truncated(exc, "The connection to the engine broke mid-response.") from exc
+
+    def receive_nowait(self) -> bytes | None:
+        """``receive()`` if it would not block, else ``None`` (nothing ready yet)."""
+        if self._pending:
+            out, self._pending = self._pending, b""
+            return out
+        parser = self._parser
+        try:
+            while not parser.done:
+                data = self._conn.receive_nowait()
+                if data is None:
+                    return None
+                if not data:
+                    parser.eof()
+                    return b""
+                out = parser.feed(data)
+                if out:
+                    return out
+        except (FramingError, *_BROKEN) as exc:
+            raise _truncated(exc, "The connection to the engine broke mid-response.") from exc
+        return b""
+
+    async def read_all(self, limit: int) -> bytes:
+        parts: list[bytes] = []
+        size = 0
+        while chunk := await self.receive():
+            size += len(chunk)
+            if size > limit:
+                raise EngineTruncated("The engine's response was too large.")
+            parts.append(chunk)
+        return b"".join(parts)
+
+
+#: The error text of a connection that broke before the engine's response head (while the
+#: request was sent, or while its head was awaited).
+_BROKE_BEFORE = "The connection to the engine broke before the response."
+
+
+class Exchange:
+    """One request to the engine on a pooled connection, as an async context manager that
+    yields the response once its head arrived (``EngineClient._post``).
+
+    ``send()`` checks a connection out and writes the request; entering the context sends it
+    if that has not happened yet, then waits for the response head. Splitting the two lets a
+    caller do its own work while the engine works on the request
+    (``relay.GenerationBody.open``). Both end at the exchange's deadline; a request the engine
+    does not take within ``connect_timeout`` is ``EngineUnreachable``. Leaving the context puts
+    the connection back in the pool if the response was read to its end, and closes it
+    otherwise, also after a ``send()`` whose response was never awaited. A ``send()`` or an
+    entry that fails lets the connection go itself.
+    """
+
+    __slots__ = ("_client", "_conn", "_data", "_deadline", "_ok_only", "_origin", "_resp")
+
+    def __init__(
+        self, client: ConnectionPool, origin: Origin, data: bytes, deadline: float, ok_only: bool
+    ) -> None:
+        self._client, self._origin, self._data = client, origin, data
+        self._deadline, self._ok_only = deadline, ok_only
+        self._conn: Conn | None = None
+        self._resp: UpstreamResponse | None = None
+
+    async def send(self) -> None:
+        """Check out a connection and write the request (it is sent once this returns: the
+        exchange then holds the connection)."""
+        assert self._conn is None and self._resp is None
+        client, deadline = self._client, self._deadline
+        try:
+            with trio.CancelScope(deadline=deadline) as scope:
+                c = self._conn = await client.checkout(self._origin)
+                scope.deadline = min(deadline, trio.current_time() + client.connect_timeout)
+                try:
+                    await c.send_all(self._data)
+                except _BROKEN as exc:
+                    raise _truncated(exc, _BROKE_BEFORE) from exc
+            if scope.cancelled_caught:  # this scope's deadline fired
+                if scope.deadline < deadline:
+                    raise EngineUnreachable("The engine did not take the request in time.")
+                raise trio.TooSlowError
+        except BaseException:
+            self._release()
+            raise
+
+    async def __aenter__(self) -> UpstreamResponse:
+        if self._conn is None:
+            await self.send()
+        c = self._conn
+        assert c is not None
+        try:
+            with trio.CancelScope(deadline=self._deadline):
+                try:
+                    parser = ResponseParser()
+                    rest = b""
+                    while parser.status is None:
+                        got = await c.receive()
+                        if not got:
+                            parser.eof()
+                        rest = parser.feed(got)
+                except (FramingError, *_BROKEN) as exc:
+                    raise _truncated(exc, _BROKE_BEFORE) from exc
+                self._resp = UpstreamResponse(c, parser, rest)
+            resp = self._resp
+            if resp is None:  # the deadline fired
+                raise trio.TooSlowError
+            if self._ok_only and resp.status != 200:
+                text = b""
+                with contextlib.suppress(GatewayError):
+                    text = await resp.read_all(DRAIN_LIMIT)
+                raise _status_error(resp.status, text)
+        except BaseException:
+            self._release()
+            raise
+        return resp
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        c, self._conn = self._conn, None
+        if c is not None:
+            resp = self._resp
+            self._client.checkin(self._origin, c, resp is not None and resp.reusable)
+
+
+def _status_error(status: int, body: bytes = b"") -> EngineHTTPError:
+    if status == 400:
+        msg = "The engine refused the request (for example, the prompt is too long)."
+    elif status in (429, 503):
+        msg = "The engine is busy or not ready; retry shortly."
+    else:
+        msg = f"The engine answered with HTTP {status}."
+    err = EngineHTTPError(msg, engine_status=status)
+    if status == 400:  # the only status answered as the client's 400
+        try:
+            text = engine_message(msgspec.json.decode(body)) if body else None
+        except msgspec.DecodeError:
+            text = None
+        err.refusal = classify(text)
+    return err

@@ -20,7 +20,8 @@ parsed request as a script sees it — and handed to the engine's *script*, any 
 - a client closing the connection stops the generation and records the rid as cancelled;
 - ``/v1/loads`` (and the older ``/get_load``) report the running requests and none waiting, or
   what :attr:`FakeEngine.load` scripts (``(running, waiting)``); ``reports_load = False``
-  makes both 404 (an engine that reports no load).
+  makes both 404 (an engine that reports no load);
+- ``returns_logprobs = False`` accepts a request for logprobs and returns none (in either mode).
 
 ``/v1/completions`` is the OpenAI-compatible mode (the gateway's ``protocol = "openai"``): one
 streamed prompt with ``n`` = 1, the same scripts and faults, framed as ``text_completion`` chunks
@@ -562,6 +563,9 @@ class FakeEngine:
         #: Scripted ``(running, waiting)`` for /v1/loads; None: the real running count.
         self.load: tuple[int, int] | None = None
         self.reports_load = True
+        #: False: logprobs are accepted in a request and never returned (as some
+        #: OpenAI-compatible servers do); the text and the finish are unchanged.
+        self.returns_logprobs = True
         self.host = "127.0.0.1"
         self.port = 0
         self.requests: list[tuple[str, Any]] = []
@@ -915,7 +919,7 @@ class FakeEngine:
             call,
             plan,
             cumulative=not (self.incremental and call.stream),
-            return_logprob=body.get("return_logprob") is True,
+            return_logprob=body.get("return_logprob") is True and self.returns_logprobs,
             top_logprobs_num=int(body.get("top_logprobs_num") or 0),
             text_in_logprobs=body.get("return_text_in_logprobs") is True,
             no_stop_trim=sp.get("no_stop_trim") is True,
@@ -948,7 +952,8 @@ class FakeEngine:
         logprobs = body.get("logprobs")
         gen = _Generation(
             call, self.script(call), cumulative=False,
-            return_logprob=isinstance(logprobs, int) and not isinstance(logprobs, bool),
+            return_logprob=self.returns_logprobs
+            and isinstance(logprobs, int) and not isinstance(logprobs, bool),
             top_logprobs_num=int(logprobs or 0), text_in_logprobs=True, no_stop_trim=False,
         )  # fmt: skip
         options = body.get("stream_options")

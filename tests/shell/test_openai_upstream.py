@@ -93,7 +93,7 @@ async def test_n4_streaming_order_and_the_stream_helper_with_n2() -> None:
 
 def _ranked_script(call: Call) -> Plan:
     # Candidate 2 (seed 102) is the likeliest: its tokens' logprobs are the highest.
-    seed = call.body.get("seed")
+    seed = call.body.get("seed", call.body.get("sampling_params", {}).get("sampling_seed"))
     tokens, ids = default_tokens(int(seed or 0), 3)
     lp = -0.1 if seed == 102 else -2.0
     return Plan(tokens=tokens, token_ids=ids, logprobs=[lp] * 3)
@@ -114,6 +114,31 @@ async def test_best_of_ranks_by_the_upstream_logprobs() -> None:
         assert out.choices[0].logprobs is None
         assert out.usage is not None and out.usage.completion_tokens == 3
         client.close()
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "openai"])
+async def test_best_of_from_an_engine_without_logprobs_is_a_400(protocol: str) -> None:
+    """An engine that accepts ``logprobs`` and returns none cannot rank ``best_of``: a 400
+    naming ``best_of``, not candidates ranked by chance; every candidate's generation ends."""
+    engine = FakeEngine(_ranked_script)
+    engine.returns_logprobs = False
+    async with running_gateway(engine, protocol=protocol) as gw:
+        for extra in ({"best_of": 3}, {"best_of": 3, "n": 2, "logprobs": True}):
+            r = await gw.chat(model=MODEL, messages=MSGS, max_tokens=3, seed=100, **extra)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "best_of" and err["code"] == "invalid_request", err
+            assert "returns no logprobs" in err["message"], err
+            with trio.fail_after(10):
+                await engine.wait_for(lambda: not engine.running)
+        # Without best_of nothing needs ranking: the answer comes, with no logprobs to show.
+        r = await gw.chat(model=MODEL, messages=MSGS, max_tokens=3, logprobs=True)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["logprobs"] == {"content": []}
+        engine.returns_logprobs = True  # the same request ranks once the logprobs come
+        r = await gw.chat(model=MODEL, messages=MSGS, max_tokens=3, seed=100, best_of=3)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == "".join(default_tokens(102, 3)[0])
 
 
 @pytest.mark.parametrize("n", [1, 3], ids=["inline", "channel"])

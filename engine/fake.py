@@ -26,7 +26,8 @@ parsed request as a script sees it — and handed to the engine's *script*, any 
 ``/v1/completions`` is the OpenAI-compatible mode (the gateway's ``protocol = "openai"``): one
 streamed prompt with ``n`` = 1, the same scripts and faults, framed as ``text_completion`` chunks
 with a usage chunk before ``[DONE]`` (``stream_options.include_usage``); it has no rid, so a
-request is recorded under a generated ``cmpl-`` id and a closed connection is its abort.
+request is recorded under a generated ``cmpl-`` id (or the name :attr:`FakeEngine.name_request`
+gives it) and a closed connection is its abort.
 
 Wire framing is exactly SGLang's: ``data: <compact json>\\n\\n`` per chunk, ``data: [DONE]\\n\\n``.
 The native ``/generate`` supports one prompt with ``n`` absent or 1: batches and ``n > 1`` get a
@@ -566,6 +567,9 @@ class FakeEngine:
         #: False: logprobs are accepted in a request and never returned (as some
         #: OpenAI-compatible servers do); the text and the finish are unchanged.
         self.returns_logprobs = True
+        #: OpenAI mode: a request's name in the records and for the script (its rid), read
+        #: from its body; ``None`` (or no name): a generated ``cmpl-`` id.
+        self.name_request: Callable[[dict[str, Any]], str | None] | None = None
         self.host = "127.0.0.1"
         self.port = 0
         self.requests: list[tuple[str, Any]] = []
@@ -932,7 +936,8 @@ class FakeEngine:
         """OpenAI's legacy completions, streamed, one prompt, ``n`` = 1: the same scripts and
         faults as ``/generate``, framed as ``text_completion`` chunks (a usage chunk before
         ``[DONE]`` with ``stream_options.include_usage``). No rid: the abort is a closed
-        connection (recorded as ``cancelled`` under a generated id)."""
+        connection (recorded as ``cancelled`` under its name: :attr:`name_request`'s, else a
+        generated id)."""
         self._counts["generate"] += 1  # (counted with the native generations)
         body = self._parse_body(req)
         prompt = body.get("prompt")
@@ -945,7 +950,8 @@ class FakeEngine:
             sp["stop"] = body["stop"]
         if body.get("seed") is not None:
             sp["sampling_seed"] = body["seed"]
-        rid = "cmpl-" + uuid.uuid4().hex
+        name = self.name_request(body) if self.name_request is not None else None
+        rid = name or "cmpl-" + uuid.uuid4().hex
         call = self._make_call(
             "/v1/completions", body, rid, rid, prompt, max(1, len(prompt.split())), sp, True
         )  # unseeded: candidates differ, as a sampler's do

@@ -20,12 +20,14 @@ parsed request as a script sees it — and handed to the engine's *script*, any 
 - a client closing the connection stops the generation and records the rid as cancelled;
 - ``/v1/loads`` (and the older ``/get_load``) report the running requests and none waiting, or
   what :attr:`FakeEngine.load` scripts (``(running, waiting)``); ``reports_load = False``
-  makes both 404 (an engine that reports no load).
+  makes both 404 (an engine that reports no load);
+- ``returns_logprobs = False`` accepts a request for logprobs and returns none (in either mode).
 
 ``/v1/completions`` is the OpenAI-compatible mode (the gateway's ``protocol = "openai"``): one
 streamed prompt with ``n`` = 1, the same scripts and faults, framed as ``text_completion`` chunks
 with a usage chunk before ``[DONE]`` (``stream_options.include_usage``); it has no rid, so a
-request is recorded under a generated ``cmpl-`` id and a closed connection is its abort.
+request is recorded under a generated ``cmpl-`` id (or the name :attr:`FakeEngine.name_request`
+gives it) and a closed connection is its abort.
 
 Wire framing is exactly SGLang's: ``data: <compact json>\\n\\n`` per chunk, ``data: [DONE]\\n\\n``.
 The native ``/generate`` supports one prompt with ``n`` absent or 1: batches and ``n > 1`` get a
@@ -562,6 +564,12 @@ class FakeEngine:
         #: Scripted ``(running, waiting)`` for /v1/loads; None: the real running count.
         self.load: tuple[int, int] | None = None
         self.reports_load = True
+        #: False: logprobs are accepted in a request and never returned (as some
+        #: OpenAI-compatible servers do); the text and the finish are unchanged.
+        self.returns_logprobs = True
+        #: OpenAI mode: a request's name in the records and for the script (its rid), read
+        #: from its body; ``None`` (or no name): a generated ``cmpl-`` id.
+        self.name_request: Callable[[dict[str, Any]], str | None] | None = None
         self.host = "127.0.0.1"
         self.port = 0
         self.requests: list[tuple[str, Any]] = []
@@ -915,7 +923,7 @@ class FakeEngine:
             call,
             plan,
             cumulative=not (self.incremental and call.stream),
-            return_logprob=body.get("return_logprob") is True,
+            return_logprob=body.get("return_logprob") is True and self.returns_logprobs,
             top_logprobs_num=int(body.get("top_logprobs_num") or 0),
             text_in_logprobs=body.get("return_text_in_logprobs") is True,
             no_stop_trim=sp.get("no_stop_trim") is True,
@@ -928,7 +936,8 @@ class FakeEngine:
         """OpenAI's legacy completions, streamed, one prompt, ``n`` = 1: the same scripts and
         faults as ``/generate``, framed as ``text_completion`` chunks (a usage chunk before
         ``[DONE]`` with ``stream_options.include_usage``). No rid: the abort is a closed
-        connection (recorded as ``cancelled`` under a generated id)."""
+        connection (recorded as ``cancelled`` under its name: :attr:`name_request`'s, else a
+        generated id)."""
         self._counts["generate"] += 1  # (counted with the native generations)
         body = self._parse_body(req)
         prompt = body.get("prompt")
@@ -941,14 +950,16 @@ class FakeEngine:
             sp["stop"] = body["stop"]
         if body.get("seed") is not None:
             sp["sampling_seed"] = body["seed"]
-        rid = "cmpl-" + uuid.uuid4().hex
+        name = self.name_request(body) if self.name_request is not None else None
+        rid = name or "cmpl-" + uuid.uuid4().hex
         call = self._make_call(
             "/v1/completions", body, rid, rid, prompt, max(1, len(prompt.split())), sp, True
         )  # unseeded: candidates differ, as a sampler's do
         logprobs = body.get("logprobs")
         gen = _Generation(
             call, self.script(call), cumulative=False,
-            return_logprob=isinstance(logprobs, int) and not isinstance(logprobs, bool),
+            return_logprob=self.returns_logprobs
+            and isinstance(logprobs, int) and not isinstance(logprobs, bool),
             top_logprobs_num=int(logprobs or 0), text_in_logprobs=True, no_stop_trim=False,
         )  # fmt: skip
         options = body.get("stream_options")

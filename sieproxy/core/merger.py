@@ -38,7 +38,10 @@ returned candidate reported.
 best_of (non-streaming only): every candidate is collected; :meth:`ChatCollector.losers` names
 unfinished candidates that can no longer be returned so the shell can abort them; the result
 keeps the top ``n`` by cumulative logprob, re-indexed ``0..n-1``, and carries logprobs only if
-the client asked for them.
+the client asked for them. A candidate that finishes with tokens but without a single logprob
+(an engine that accepts ``logprobs`` and returns none, as some OpenAI-compatible servers do)
+cannot be ranked: :meth:`ChatCollector.on_finish` raises the client's 400 naming ``best_of``
+(``core.refusal.best_of_without_logprobs``) rather than rank unscored candidates by chance.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from .choice import ChoiceState, ChoiceStateError, ReasoningFactory, ToolCallFac
 from .errors import GatewayError, InternalError
 from .events import CandidateDelta, CandidateFinish, ChoiceDelta, ToolCallDelta
 from .logprobs import LogprobContent, content_entries
+from .refusal import best_of_without_logprobs
 from .request import ValidChat, ValidCompletion
 from .sse import DONE_FRAME
 
@@ -533,6 +537,19 @@ class ChatCollector(_CollectorBase):
             for i in range(valid.candidates)
         ]
         self._lost: set[int] = set()
+        self._ranks = valid.candidates > valid.n  # best_of: the logprobs decide
+        self._scored: set[int] = set()  # best_of: candidates that got a logprob
+
+    def on_delta(self, index: int, delta: CandidateDelta) -> None:
+        if self._ranks and delta.logprobs:
+            self._scored.add(index)
+        self._choice(index).feed(delta)
+
+    def on_finish(self, index: int, finish: CandidateFinish) -> None:
+        c = self._choice(index)
+        c.finish(finish)
+        if self._ranks and c.completion_tokens > 0 and index not in self._scored:
+            raise best_of_without_logprobs()
 
     def losers(self) -> list[int]:
         """best_of: unfinished candidates that can no longer be returned (each reported once)."""

@@ -25,7 +25,9 @@ own field names (:class:`RequestFields`: ``messages`` or ``prompt``, ``max_token
     other              anything else                                  none (a generic sentence)
 
 The gateway also checks what it can before sending (``core.validate``: ``logit_bias`` ids against
-a known vocabulary size, ``max_tokens`` against a known context length) with the same words.
+a known vocabulary size, ``max_tokens`` against a known context length) with the same words,
+and words what only the answer shows: an engine that returns no logprobs, so that ``best_of``
+cannot rank (:func:`best_of_without_logprobs`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ __all__ = [
     "ContextLengthExceeded",
     "Refusal",
     "RequestFields",
+    "best_of_without_logprobs",
     "classify",
     "engine_message",
     "engine_stream_error",
@@ -206,6 +209,16 @@ def logit_bias_out_of_vocab(token_id: int | None, vocab_size: int) -> InvalidReq
         f"`logit_bias` has {which}, outside this model's vocabulary of {vocab_size} tokens "
         f"(ids 0 to {vocab_size - 1}); remove it.",
         param="logit_bias",
+    )
+
+
+def best_of_without_logprobs() -> InvalidRequest:
+    """``best_of`` ranks by the engine's token logprobs, and the engine returned none."""
+    return InvalidRequest(
+        "`best_of` ranks the candidates by their token logprobs, but the engine behind this "
+        "model returns no logprobs, so best_of cannot rank; remove `best_of` (or set it to "
+        "`n`).",
+        param="best_of",
     )
 
 

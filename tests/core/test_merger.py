@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from sieproxy.core.errors import EngineTimeout
+from sieproxy.core.errors import EngineTimeout, InvalidRequest
 from sieproxy.core.events import (
     CandidateDelta,
     CandidateFinish,
@@ -466,6 +466,26 @@ def test_best_of_with_logprobs_keeps_them() -> None:
     (c,) = json.loads(coll.result())["choices"]
     assert c["message"]["content"] == "b"
     assert c["logprobs"]["content"][0]["logprob"] == -0.5
+
+
+def test_best_of_without_engine_logprobs_is_a_400_naming_best_of() -> None:
+    """A candidate that finishes with tokens and not one logprob (an engine that accepts
+    logprobs and returns none) cannot be ranked; a zero-token candidate needs none."""
+    valid = chat(1, best_of=3, stream=False)
+    coll = ChatCollector(valid, response_id="chatcmpl-req", model="m", created=CREATED)
+    coll.on_delta(0, CandidateDelta("a", 1, [TokenLogprob("a", 1, -1.0)]))
+    coll.on_finish(0, CandidateFinish("stop", None, 3, 1))
+    coll.on_finish(1, CandidateFinish("stop", None, 3, 0))  # no token: nothing to score
+    coll.on_delta(2, CandidateDelta("c", 1, []))
+    with pytest.raises(InvalidRequest) as info:
+        coll.on_finish(2, CandidateFinish("length", None, 3, 1))
+    assert info.value.param == "best_of" and info.value.status == 400
+    assert "returns no logprobs" in str(info.value)
+    # Without best_of there is nothing to rank: the same candidate is answered.
+    plain = ChatCollector(chat(1, stream=False), response_id="x", model="m", created=CREATED)
+    plain.on_delta(0, CandidateDelta("c", 1, []))
+    plain.on_finish(0, CandidateFinish("length", None, 3, 1))
+    assert json.loads(plain.result())["choices"][0]["message"]["content"] == "c"
 
 
 def test_best_of_losers_and_tie_on_index() -> None:

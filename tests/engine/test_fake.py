@@ -223,6 +223,47 @@ async def test_logprobs(nursery: trio.Nursery) -> None:
         assert row[0] == entry
 
 
+async def test_an_engine_that_returns_no_logprobs(nursery: trio.Nursery) -> None:
+    """``returns_logprobs = False``: a request for logprobs is accepted and answered without
+    them, in either mode; the text is the same."""
+    engine = FakeEngine(lambda call: Plan(tokens=["A", "B"], logprobs=[-0.5, -0.25]))
+    engine.returns_logprobs = False
+    with trio.fail_after(GUARD):
+        async with serving(nursery, engine) as (client, _):
+            native = (await client.post("/generate", json={"text": "p", "return_logprob": True}))
+            body = {"model": "m", "prompt": "p", "stream": True, "logprobs": 0}
+            async with client.stream("POST", "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                raw = b"".join([chunk async for chunk in resp.aiter_raw()])
+    meta = native.json()["meta_info"]
+    assert native.json()["text"] == "AB" and "output_token_logprobs" not in meta
+    chunks = [e for e in parse_sse(raw) if e != "[DONE]"]
+    assert "".join(e["choices"][0]["text"] for e in chunks) == "AB"
+    assert all(e["choices"][0]["logprobs"] is None for e in chunks)
+
+
+async def test_openai_mode_names_a_request_by_name_request(nursery: trio.Nursery) -> None:
+    """The OpenAI mode has no rid: ``name_request`` names a request from its body (records and
+    script), else it gets a generated ``cmpl-`` id."""
+    seen: list[str] = []
+
+    def script(call: Call) -> Plan:
+        seen.append(call.rid)
+        return Plan(tokens=["A"])
+
+    engine = FakeEngine(script)
+    with trio.fail_after(GUARD):
+        async with serving(nursery, engine) as (client, _):
+            for name in ("first", None):
+                engine.name_request = (lambda b, n=name: n and f"{n}-{b['seed']}")
+                body = {"model": "m", "prompt": "p", "stream": True, "seed": 3}
+                async with client.stream("POST", "/v1/completions", json=body) as resp:
+                    assert resp.status_code == 200
+                    await resp.aread()
+    assert seen[0] == "first-3" and seen[1].startswith("cmpl-")
+    assert engine.finished == seen
+
+
 async def test_script_sees_the_call(nursery: trio.Nursery) -> None:
     seen: list[Call] = []
 

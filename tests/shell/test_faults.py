@@ -1,18 +1,29 @@
-"""The fault matrix: every engine fault and every client misbehaviour, end to end.
+"""The fault matrix: every engine fault and every client misbehaviour, end to end, through
+either upstream protocol (``protocol``: ``sglang``, the native ``/generate``; ``openai``, an
+OpenAI-compatible engine's ``/v1/completions``, ``core.openai_upstream``).
 
 Each case asserts what the client got (a proper status before any chunk, or a 200 whose SSE
 ends with ``data: {"error": ...}`` then ``data: [DONE]`` after the first chunk), what the engine
 saw (the rids it was asked for, that nothing is still running, and at most / exactly one
-``/abort_request`` per rid), and that the gateway then still serves a normal request.
+abort per rid), and that the gateway then still serves a normal request. The client sees the
+same in both protocols; the abort differs: SGLang's is one ``/abort_request`` per rid, the
+OpenAI protocol's is the candidate's upstream connection closed (the fake engine records it as
+``cancelled``) and never an ``/abort_request`` (:func:`ended`).
 
 Rids are ``<X-Request-Id>-<index>``: a test picks the request id, so the fake engine's script
-can fault exactly the candidates it means to.
+can fault exactly the candidates it means to. An OpenAI request carries no rid: through that
+protocol a test's request names itself in its message and asks for ``seed`` 0, so that
+candidate ``i`` reaches the engine with seed ``i`` (the gateway sends ``seed + index``), and the
+fake engine names it ``<name>-<i>`` (:func:`openai_name`, ``FakeEngine.name_request``).
+A fault one protocol cannot express is skipped for it with the reason (``ONLY_SGLANG``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import socket
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +33,7 @@ import pytest
 import trio
 
 from engine.fake import Call, DefaultScript, FakeEngine, Fault, FaultKind, Plan, abort_finish
-from sieproxy.settings import Settings
+from sieproxy.settings import EngineSpec, Settings
 
 from .harness import MODEL, Gateway, host_port, running_gateway, sse_events
 
@@ -33,12 +44,67 @@ TOKENS = [f" w{k}" for k in range(6)]
 # ---- helpers -------------------------------------------------------------------------------
 
 
-def chat_body(**extra: Any) -> dict[str, Any]:
+PROTOCOLS = ("sglang", "openai")
+
+
+@pytest.fixture(params=PROTOCOLS)
+def protocol(request: pytest.FixtureRequest) -> str:
+    """The upstream protocol of the test's engines."""
+    name: str = request.param
+    return name
+
+
+#: Faults only SGLang's protocol can express, and why the OpenAI combination is skipped.
+ONLY_SGLANG = {
+    "abort_503": "no abort finish with a status code in the OpenAI protocol",
+    "abort_400": "no abort finish with a status code in the OpenAI protocol",
+}
+
+
+def by_protocol(cases: list[tuple[Any, ...]]) -> list[Any]:
+    """``cases`` (id first) times :data:`PROTOCOLS`, with ``protocol`` as the first value; a
+    combination that cannot exist (:data:`ONLY_SGLANG`) is skipped with its reason."""
+    out = []
+    for case in cases:
+        for protocol in PROTOCOLS:
+            why = ONLY_SGLANG.get(case[0]) if protocol != "sglang" else None
+            marks = [pytest.mark.skip(reason=f"{protocol}: {why}")] if why else []
+            out.append(pytest.param(protocol, *case[1:], id=f"{case[0]}-{protocol}", marks=marks))
+    return out
+
+
+_NAMED = re.compile(r"\[rid:([^\]]+)\]")
+
+
+def openai_name(body: dict[str, Any]) -> str:
+    """The rid of an OpenAI-protocol candidate: ``<name>-<seed>`` from its prompt's
+    ``[rid:<name>]`` (:func:`chat_body`) and its seed; an unnamed one gets a fresh
+    ``<hex>-0``, as the gateway names a request without ``X-Request-Id``."""
+    m = _NAMED.search(str(body.get("prompt")))
+    seed = body.get("seed")
+    if m is not None and isinstance(seed, int):
+        return f"{m[1]}-{seed}"
+    return f"{uuid.uuid4().hex}-0"
+
+
+def fake(protocol: str, script: Any = None, **kw: Any) -> FakeEngine:
+    """A fake engine whose OpenAI-mode records and scripts name candidates as ``/generate``
+    rids are named (module docstring)."""
+    engine = FakeEngine(script=script, **kw)
+    if protocol == "openai":
+        engine.name_request = openai_name
+    return engine
+
+
+def chat_body(protocol: str = "sglang", rid: str | None = None, **extra: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 64,
     }
+    if protocol == "openai" and rid is not None:  # the request's name, for the engine
+        body["messages"] = [{"role": "user", "content": f"hi [rid:{rid}]"}]
+        body["seed"] = 0
     body.update(extra)
     return body
 
@@ -88,8 +154,19 @@ def check_sse_error_tail(text: str) -> tuple[dict[str, Any], list[Any]]:
     return check_envelope(events[-2]), events
 
 
-def generate_rids(engine: FakeEngine) -> list[str]:
+def generate_rids(engine: FakeEngine, protocol: str = "sglang") -> list[str]:
+    if protocol == "openai":
+        return [openai_name(b) for p, b in engine.requests if p == "/v1/completions"]
     return [b["rid"] for p, b in engine.requests if p == "/generate" and isinstance(b, dict)]
+
+
+def ended(engine: FakeEngine, protocol: str = "sglang") -> list[str]:
+    """The rids the gateway ended upstream, once per abort: SGLang's ``/abort_request``s; the
+    OpenAI protocol's closed connections (recorded as ``cancelled``), never an abort request."""
+    if protocol == "openai":
+        assert engine.aborts == [], "an /abort_request through the OpenAI protocol"
+        return engine.cancelled
+    return engine.aborts
 
 
 async def settled(engine: FakeEngine, timeout: float = 10.0) -> None:
@@ -97,17 +174,19 @@ async def settled(engine: FakeEngine, timeout: float = 10.0) -> None:
         await engine.wait_for(lambda: not engine.running)
 
 
-async def aborted_once(engine: FakeEngine, rids: list[str], timeout: float = 10.0) -> None:
+async def aborted_once(
+    engine: FakeEngine, rids: list[str], timeout: float = 10.0, protocol: str = "sglang"
+) -> None:
     """Wait until every rid in ``rids`` got its abort; then each got exactly one."""
     with trio.fail_after(timeout):
-        await engine.wait_for(lambda: all(r in engine.aborts for r in rids))
+        await engine.wait_for(lambda: all(r in ended(engine, protocol) for r in rids))
     await trio.sleep(0.1)  # a duplicate would have arrived by now
-    counts = Counter(engine.aborts)
+    counts = Counter(ended(engine, protocol))
     assert {r: counts[r] for r in rids} == dict.fromkeys(rids, 1), counts
 
 
-def at_most_one_abort(engine: FakeEngine) -> None:
-    counts = Counter(engine.aborts)
+def at_most_one_abort(engine: FakeEngine, protocol: str = "sglang") -> None:
+    counts = Counter(ended(engine, protocol))
     assert all(v == 1 for v in counts.values()), counts
 
 
@@ -123,17 +202,25 @@ async def still_serves(gw: Gateway) -> None:
         assert not any("error" in e for e in events[:-1])
 
 
-async def post(gw: Gateway, rid: str, **extra: Any) -> httpx.Response:
-    with trio.fail_after(20):
-        return await gw.client.post(CHAT, json=chat_body(**extra), headers={"X-Request-Id": rid})
+def protocol_of(gw: Gateway) -> str:
+    """The protocol of the gateway's engines (``running_gateway(protocol=...)``)."""
+    engines = gw.state.settings.models[MODEL].engines
+    (name,) = {"sglang" if isinstance(e, str) else e.protocol for e in engines}
+    return name
 
+
+async def post(gw: Gateway, rid: str, **extra: Any) -> httpx.Response:
+    body = chat_body(protocol_of(gw), rid, **extra)
+    with trio.fail_after(20):
+        return await gw.client.post(CHAT, json=body, headers={"X-Request-Id": rid})
 
 
 async def timed_post(gw: Gateway, rid: str, **extra: Any) -> tuple[httpx.Response, float]:
     """``post``, and how long the answer took (within 8 s)."""
+    body = chat_body(protocol_of(gw), rid, **extra)
     t0 = trio.current_time()
     with trio.fail_after(8):
-        r = await gw.client.post(CHAT, json=chat_body(**extra), headers={"X-Request-Id": rid})
+        r = await gw.client.post(CHAT, json=body, headers={"X-Request-Id": rid})
     return r, trio.current_time() - t0
 
 
@@ -166,8 +253,10 @@ def raw_request(body: dict[str, Any], rid: str) -> bytes:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_engine_refusing_connections_is_503_then_recovers(stream: bool) -> None:
-    engine = FakeEngine()
+async def test_engine_refusing_connections_is_503_then_recovers(
+    stream: bool, protocol: str
+) -> None:
+    engine = fake(protocol)
     async with trio.open_nursery() as nursery:
         scope = trio.CancelScope()
 
@@ -178,9 +267,11 @@ async def test_engine_refusing_connections_is_503_then_recovers(stream: bool) ->
         port = await nursery.start(run_engine)
 
         def hook(settings: Settings) -> None:
-            settings.models[MODEL].engines = [f"http://127.0.0.1:{port}"]
+            settings.models[MODEL].engines = [
+                EngineSpec(url=f"http://127.0.0.1:{port}", protocol=protocol)
+            ]
 
-        async with running_gateway(settings_hook=hook) as gw:
+        async with running_gateway(settings_hook=hook, protocol=protocol) as gw:
             r = await post(gw, "warm", max_tokens=2)
             assert r.status_code == 200, r.text
             engine.close_listener()  # connecting is refused
@@ -220,49 +311,47 @@ PRE_CHUNK: list[tuple[str, Plan, int, str]] = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("plan", "status", "code"), [c[1:] for c in PRE_CHUNK], ids=[c[0] for c in PRE_CHUNK]
-)
-async def test_fault_before_any_chunk_is_a_status(plan: Plan, status: int, code: str) -> None:
-    engine = FakeEngine(script=faulty(plan))
-    async with running_gateway(engine) as gw:
+@pytest.mark.parametrize(("protocol", "plan", "status", "code"), by_protocol(PRE_CHUNK))
+async def test_fault_before_any_chunk_is_a_status(
+    protocol: str, plan: Plan, status: int, code: str
+) -> None:
+    engine = fake(protocol, faulty(plan))
+    async with running_gateway(engine, protocol=protocol) as gw:
         for stream in (False, True):
             rid = f"fault1s{int(stream)}"
             r = await post(gw, rid, stream=stream)
             err = check_status_error(r, status)
             assert err["code"] == code, (stream, err)
-            assert f"{rid}-0" in generate_rids(engine)
+            assert f"{rid}-0" in generate_rids(engine, protocol)
             await settled(engine)
-            at_most_one_abort(engine)
+            at_most_one_abort(engine, protocol)
             await still_serves(gw)
 
 
-async def test_reset_before_headers_is_a_status() -> None:
+async def test_reset_before_headers_is_a_status(protocol: str) -> None:
     """The engine resets the connection before its response head: not a 200."""
-    engine = FakeEngine(script=faulty(Plan(TOKENS, fault=Fault.reset(before_headers=True))))
-    async with running_gateway(engine) as gw:
+    engine = fake(protocol, faulty(Plan(TOKENS, fault=Fault.reset(before_headers=True))))
+    async with running_gateway(engine, protocol=protocol) as gw:
         for stream in (False, True):
             rid = f"fault-rst-{int(stream)}"
             r = await post(gw, rid, stream=stream)
             assert r.status_code in (502, 503), r.text
             check_status_error(r, r.status_code)
-            assert f"{rid}-0" in generate_rids(engine)
+            assert f"{rid}-0" in generate_rids(engine, protocol)
         await settled(engine)
-        at_most_one_abort(engine)
+        at_most_one_abort(engine, protocol)
         await still_serves(gw)
 
 
-async def test_eof_before_headers_is_a_status() -> None:
-    engine = FakeEngine(
-        script=faulty(Plan(TOKENS, fault=Fault(FaultKind.EOF, before_headers=True)))
-    )
-    async with running_gateway(engine) as gw:
+async def test_eof_before_headers_is_a_status(protocol: str) -> None:
+    engine = fake(protocol, faulty(Plan(TOKENS, fault=Fault(FaultKind.EOF, before_headers=True))))
+    async with running_gateway(engine, protocol=protocol) as gw:
         for stream in (False, True):
             r = await post(gw, f"fault-eof-{int(stream)}", stream=stream)
             assert r.status_code in (502, 503), r.text
             check_status_error(r, r.status_code)
         await settled(engine)
-        at_most_one_abort(engine)
+        at_most_one_abort(engine, protocol)
         await still_serves(gw)
 
 
@@ -279,15 +368,13 @@ MID_STREAM: list[tuple[str, Plan, str]] = [
     ("abort_503", Plan(TOKENS, finish=abort_finish(SECRET, 503, "X")), "upstream_aborted"),
     ("abort_400", Plan(TOKENS, finish=abort_finish(SECRET, 400, "X")), "invalid_request"),
 ]
-MID_STREAM_CASES = pytest.mark.parametrize(
-    ("plan", "code"), [c[1:] for c in MID_STREAM], ids=[c[0] for c in MID_STREAM]
-)
+MID_STREAM_CASES = pytest.mark.parametrize(("protocol", "plan", "code"), by_protocol(MID_STREAM))
 
 
 @MID_STREAM_CASES
-async def test_fault_after_first_chunk_streaming(plan: Plan, code: str) -> None:
-    engine = FakeEngine(script=faulty(plan))
-    async with running_gateway(engine) as gw:
+async def test_fault_after_first_chunk_streaming(protocol: str, plan: Plan, code: str) -> None:
+    engine = fake(protocol, faulty(plan))
+    async with running_gateway(engine, protocol=protocol) as gw:
         r = await post(gw, "fault2", stream=True)
         assert r.status_code == 200, r.text
         err, events = check_sse_error_tail(r.text)
@@ -303,9 +390,9 @@ async def test_fault_after_first_chunk_streaming(plan: Plan, code: str) -> None:
             for e in events
             if isinstance(e, dict) and e.get("choices")
         ), "no closure chunk for a choice that failed"
-        assert generate_rids(engine) == ["fault2-0"]
+        assert generate_rids(engine, protocol) == ["fault2-0"]
         await settled(engine)
-        at_most_one_abort(engine)
+        at_most_one_abort(engine, protocol)
         await still_serves(gw)
 
 
@@ -319,15 +406,15 @@ MID_STATUS = {
 
 
 @MID_STREAM_CASES
-async def test_fault_after_first_chunk_non_streaming(plan: Plan, code: str) -> None:
+async def test_fault_after_first_chunk_non_streaming(protocol: str, plan: Plan, code: str) -> None:
     """Not streaming: the whole answer is collected first, so any fault is a status."""
-    engine = FakeEngine(script=faulty(plan))
-    async with running_gateway(engine) as gw:
+    engine = fake(protocol, faulty(plan))
+    async with running_gateway(engine, protocol=protocol) as gw:
         r = await post(gw, "fault3", stream=False)
         err = check_status_error(r, MID_STATUS[code])
         assert err["code"] == code
         await settled(engine)
-        at_most_one_abort(engine)
+        at_most_one_abort(engine, protocol)
         await still_serves(gw)
 
 
@@ -345,12 +432,14 @@ HANGS: list[tuple[str, Fault, bool]] = [
 @pytest.mark.parametrize(
     ("fault", "after_chunk"), [c[1:] for c in HANGS], ids=[c[0] for c in HANGS]
 )
-async def test_engine_hang_times_out_and_aborts(fault: Fault, after_chunk: bool, n: int) -> None:
+async def test_engine_hang_times_out_and_aborts(
+    fault: Fault, after_chunk: bool, n: int, protocol: str
+) -> None:
     """token_gap_timeout covers the time to the first token too (settings_schema.py), so a hang
     anywhere ends the request within a bounded time and aborts the hung rid upstream (n = 1:
     the response task's own reads; n = 2: each candidate task's)."""
-    engine = FakeEngine(script=faulty(Plan(TOKENS, fault=fault)))
-    async with running_gateway(engine, token_gap_timeout=0.5) as gw:
+    engine = fake(protocol, faulty(Plan(TOKENS, fault=fault)))
+    async with running_gateway(engine, protocol=protocol, token_gap_timeout=0.5) as gw:
         for stream in (False, True):
             rid = f"fault-hang{int(stream)}"
             r, elapsed = await timed_post(gw, rid, stream=stream, n=n)
@@ -362,7 +451,7 @@ async def test_engine_hang_times_out_and_aborts(fault: Fault, after_chunk: bool,
                 err = check_status_error(r, 504)
             assert err["code"] == "upstream_timeout", err
             # The hung generation was aborted upstream, once, and nothing runs any more.
-            await aborted_once(engine, [f"{rid}-{i}" for i in range(n)])
+            await aborted_once(engine, [f"{rid}-{i}" for i in range(n)], protocol=protocol)
             await settled(engine)
             await still_serves(gw)
 
@@ -371,14 +460,16 @@ async def test_engine_hang_times_out_and_aborts(fault: Fault, after_chunk: bool,
 @pytest.mark.parametrize(
     "fault", [Fault.hang(before_headers=True), Fault.hang(0)], ids=["no_head", "head_only"]
 )
-async def test_a_hung_engine_is_not_retried_on_another_replica(fault: Fault, n: int) -> None:
+async def test_a_hung_engine_is_not_retried_on_another_replica(
+    fault: Fault, n: int, protocol: str
+) -> None:
     """Regression: with two replicas, a request whose engine hung (before its head, or after
     it with no token) was retried on the other replica once the gap passed and waited on
     again: 504 after twice the timeout. A timed-out attempt reached a model: it is aborted and
     the client gets 504 after one gap; the other replica never sees the request."""
-    engines = [FakeEngine(script=faulty(Plan(TOKENS, fault=fault))) for _ in range(2)]
+    engines = [fake(protocol, faulty(Plan(TOKENS, fault=fault))) for _ in range(2)]
     gap = 0.6
-    async with running_gateway(engines, token_gap_timeout=gap) as gw:
+    async with running_gateway(engines, protocol=protocol, token_gap_timeout=gap) as gw:
         for stream in (False, True):
             rid = f"fault-hung{int(stream)}"
             r, elapsed = await timed_post(gw, rid, stream=stream, n=n)
@@ -386,9 +477,11 @@ async def test_a_hung_engine_is_not_retried_on_another_replica(fault: Fault, n: 
             assert err["code"] == "upstream_timeout", err
             # one gap and some (a retry would take two: 2.04 x before the change)
             assert elapsed < 1.7 * gap, f"504 after {elapsed:.2f}s with a {gap}s token gap"
-            asked = [e for e in engines if any(x.startswith(rid) for x in generate_rids(e))]
+            asked = [
+                e for e in engines if any(x.startswith(rid) for x in generate_rids(e, protocol))
+            ]
             assert len(asked) == 1, "the hung request was retried on the other replica"
-            await aborted_once(asked[0], [f"{rid}-{i}" for i in range(n)])
+            await aborted_once(asked[0], [f"{rid}-{i}" for i in range(n)], protocol=protocol)
             await settled(asked[0])
         for e in engines:
             e.script = DefaultScript()
@@ -412,9 +505,9 @@ BEFORE_HEADERS = {
 
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("engine_state", list(BEFORE_HEADERS))
-async def test_client_disconnect_before_headers(n: int, engine_state: str) -> None:
-    engine = FakeEngine(script=faulty(BEFORE_HEADERS[engine_state]))
-    async with running_gateway(engine) as gw:
+async def test_client_disconnect_before_headers(n: int, engine_state: str, protocol: str) -> None:
+    engine = fake(protocol, faulty(BEFORE_HEADERS[engine_state]))
+    async with running_gateway(engine, protocol=protocol) as gw:
         rids = [f"fault-gone-{i}" for i in range(n)]
         async with trio.open_nursery() as nursery:
             scope = trio.CancelScope()
@@ -423,7 +516,7 @@ async def test_client_disconnect_before_headers(n: int, engine_state: str) -> No
                 with scope:
                     await gw.client.post(
                         CHAT,
-                        json=chat_body(stream=True, n=n),
+                        json=chat_body(protocol, "fault-gone", stream=True, n=n),
                         headers={"X-Request-Id": "fault-gone"},
                     )
 
@@ -432,22 +525,22 @@ async def test_client_disconnect_before_headers(n: int, engine_state: str) -> No
                 await engine.wait_for(lambda: engine.running >= set(rids))
             await trio.sleep(0.1)
             scope.cancel()
-        await aborted_once(engine, rids)
+        await aborted_once(engine, rids, protocol=protocol)
         await settled(engine)
         assert set(engine.finished).isdisjoint(rids)
         await still_serves(gw)
 
 
 @pytest.mark.parametrize("n", [1, 3])
-async def test_client_disconnect_mid_stream(n: int) -> None:
-    engine = FakeEngine(script=faulty(long_plan))
-    async with running_gateway(engine) as gw:
+async def test_client_disconnect_mid_stream(n: int, protocol: str) -> None:
+    engine = fake(protocol, faulty(long_plan))
+    async with running_gateway(engine, protocol=protocol) as gw:
         rids = [f"fault-mid-{i}" for i in range(n)]
         with trio.fail_after(20):
             async with gw.client.stream(
                 "POST",
                 CHAT,
-                json=chat_body(stream=True, n=n, max_tokens=400),
+                json=chat_body(protocol, "fault-mid", stream=True, n=n, max_tokens=400),
                 headers={"X-Request-Id": "fault-mid"},
             ) as r:
                 assert r.status_code == 200
@@ -457,45 +550,45 @@ async def test_client_disconnect_mid_stream(n: int) -> None:
                         seen += 1
                     if seen >= n + 5:  # role chunks plus a few content chunks
                         break
-        await aborted_once(engine, rids)
+        await aborted_once(engine, rids, protocol=protocol)
         await settled(engine)
         assert set(engine.finished).isdisjoint(rids)
         await still_serves(gw)
 
 
-async def test_client_cancels_non_streaming_request() -> None:
-    engine = FakeEngine(script=faulty(long_plan))
-    async with running_gateway(engine) as gw:
+async def test_client_cancels_non_streaming_request(protocol: str) -> None:
+    engine = fake(protocol, faulty(long_plan))
+    async with running_gateway(engine, protocol=protocol) as gw:
         rids = [f"fault-ns-{i}" for i in range(2)]
         with trio.move_on_after(0.5) as scope:
             await gw.client.post(
                 CHAT,
-                json=chat_body(n=2, max_tokens=400),
+                json=chat_body(protocol, "fault-ns", n=2, max_tokens=400),
                 headers={"X-Request-Id": "fault-ns"},
             )
         assert scope.cancelled_caught, "the 8-second generation cannot have finished"
-        await aborted_once(engine, rids)
+        await aborted_once(engine, rids, protocol=protocol)
         await settled(engine)
         assert set(engine.finished).isdisjoint(rids)
         await still_serves(gw)
 
 
-async def test_client_that_reads_nothing_gets_upstream_aborted() -> None:
+async def test_client_that_reads_nothing_gets_upstream_aborted(protocol: str) -> None:
     """A client that stops reading: after client_stall_timeout the candidates are aborted,
     even though the gateway's write to the socket is still parked."""
-    engine = FakeEngine(script=faulty(big_tokens(20_000, itl=0.0005)))
-    async with running_gateway(engine, client_stall_timeout=0.5) as gw:
+    engine = fake(protocol, faulty(big_tokens(20_000, itl=0.0005)))
+    async with running_gateway(engine, protocol=protocol, client_stall_timeout=0.5) as gw:
         stream = await small_window_client(gw)
         try:
-            body = chat_body(stream=True, max_tokens=20_000)
+            body = chat_body(protocol, "fault-stall", stream=True, max_tokens=20_000)
             await stream.send_all(raw_request(body, "fault-stall"))
             t0 = trio.current_time()
             with trio.fail_after(20):
-                await engine.wait_for(lambda: "fault-stall-0" in engine.aborts)
+                await engine.wait_for(lambda: "fault-stall-0" in ended(engine, protocol))
             took = trio.current_time() - t0
             await settled(engine)
             assert "fault-stall-0" not in engine.finished
-            assert Counter(engine.aborts)["fault-stall-0"] == 1
+            assert Counter(ended(engine, protocol))["fault-stall-0"] == 1
             assert took < 15, took
         finally:
             await stream.aclose()
@@ -503,25 +596,25 @@ async def test_client_that_reads_nothing_gets_upstream_aborted() -> None:
 
 
 @pytest.mark.parametrize("n", [1, 2], ids=["inline", "channel"])
-async def test_a_stalled_client_is_not_an_engine_timeout(n: int) -> None:
+async def test_a_stalled_client_is_not_an_engine_timeout(n: int, protocol: str) -> None:
     """Regression: with token_gap_timeout at or below client_stall_timeout, a client that
     stops reading was reported as an engine timeout (abort cause ``timeout``, an
     ``upstream_timeout`` error): the gap clock ran while the gateway was blocked writing to
     the client. The gap measures the engine's silence only; the client is reported as
     stalled, after client_stall_timeout, whatever the two settings are."""
-    engine = FakeEngine(script=faulty(big_tokens(20_000, itl=0.0005)))
+    engine = fake(protocol, faulty(big_tokens(20_000, itl=0.0005)))
     gap, stall = 0.4, 1.2
     async with running_gateway(
-        engine, token_gap_timeout=gap, client_stall_timeout=stall
+        engine, protocol=protocol, token_gap_timeout=gap, client_stall_timeout=stall
     ) as gw:
         stream = await small_window_client(gw)
         rids = [f"fault-slow-{i}" for i in range(n)]
         try:
-            body = chat_body(stream=True, n=n, max_tokens=20_000)
+            body = chat_body(protocol, "fault-slow", stream=True, n=n, max_tokens=20_000)
             await stream.send_all(raw_request(body, "fault-slow"))
             t0 = trio.current_time()
             with trio.fail_after(20):
-                await engine.wait_for(lambda: all(r in engine.aborts for r in rids))
+                await engine.wait_for(lambda: all(r in ended(engine, protocol) for r in rids))
             took = trio.current_time() - t0
             assert took >= stall * 0.9, f"aborted after {took:.2f}s, before the stall limit"
             got = bytearray()
@@ -533,26 +626,26 @@ async def test_a_stalled_client_is_not_an_engine_timeout(n: int) -> None:
             assert b'"code":"client_stalled"' in got
             assert b"upstream_timeout" not in got
             await settled(engine)
-            assert Counter(engine.aborts) == Counter(rids)
+            assert Counter(ended(engine, protocol)) == Counter(rids)
         finally:
             await stream.aclose()
         await still_serves(gw)
 
 
 @pytest.mark.parametrize("n", [1, 2], ids=["inline", "channel"])
-async def test_a_slow_client_does_not_use_up_the_engines_gap(n: int) -> None:
+async def test_a_slow_client_does_not_use_up_the_engines_gap(n: int, protocol: str) -> None:
     """Regression: a client that paused reading for longer than token_gap_timeout (and less
     than client_stall_timeout) got an ``upstream_timeout`` error from an engine that was never
     silent: the gateway's blocked write counted in the gap. The stream now ends normally."""
     tokens = 400
-    engine = FakeEngine(script=faulty(big_tokens(tokens)))
+    engine = fake(protocol, faulty(big_tokens(tokens)))
     gap, stall = 0.6, 5.0
     async with running_gateway(
-        engine, token_gap_timeout=gap, client_stall_timeout=stall
+        engine, protocol=protocol, token_gap_timeout=gap, client_stall_timeout=stall
     ) as gw:
         stream = await small_window_client(gw)
         try:
-            body = chat_body(stream=True, n=n, max_tokens=tokens)
+            body = chat_body(protocol, "fault-pause", stream=True, n=n, max_tokens=tokens)
             await stream.send_all(raw_request(body, "fault-pause"))
             got = bytearray(await stream.receive_some(4096))
             await trio.sleep(2.5 * gap)  # the gateway's writes block meanwhile
@@ -564,7 +657,7 @@ async def test_a_slow_client_does_not_use_up_the_engines_gap(n: int) -> None:
             assert b'"error"' not in got, bytes(got[-400:])
             assert got.count(b'"finish_reason":"length"') == n
             await settled(engine)
-            assert engine.aborts == []
+            assert ended(engine, protocol) == []
         finally:
             await stream.aclose()
         await still_serves(gw)
@@ -573,7 +666,7 @@ async def test_a_slow_client_does_not_use_up_the_engines_gap(n: int) -> None:
 # ---- fan-out -------------------------------------------------------------------------------
 
 
-async def test_n128_one_candidate_fails() -> None:
+async def test_n128_one_candidate_fails(protocol: str) -> None:
     """n=128 with candidate 77 failing after a few tokens: error event then [DONE], every
     other (unfinished) candidate aborted exactly once, nothing left running."""
 
@@ -584,20 +677,20 @@ async def test_n128_one_candidate_fails() -> None:
             return Plan(TOKENS, ttft=4.0, itl=0.05, fault=Fault.error_event(3, SECRET, 500))
         return Plan([f" c{k}" for k in range(500)], itl=0.02)
 
-    engine = FakeEngine(script=script)
-    async with running_gateway(engine) as gw:
+    engine = fake(protocol, script)
+    async with running_gateway(engine, protocol=protocol) as gw:
         r = await post(gw, "fan", stream=True, n=128, max_tokens=500)
         assert r.status_code == 200, r.text
         err, events = check_sse_error_tail(r.text)
         assert err["code"] == "upstream_error"
         assert [e["choices"][0]["index"] for e in events[:128]] == list(range(128))
         rids = [f"fan-{i}" for i in range(128)]
-        assert sorted(generate_rids(engine)) == sorted(rids)
+        assert sorted(generate_rids(engine, protocol)) == sorted(rids)
         others = [r for r in rids if r != "fan-77"]
-        await aborted_once(engine, others)
+        await aborted_once(engine, others, protocol=protocol)
         await settled(engine)
         assert engine.finished == [], "a 10-second generation cannot have finished"
-        counts = Counter(engine.aborts)
+        counts = Counter(ended(engine, protocol))
         assert counts["fan-77"] <= 1
         assert set(counts) <= set(rids)
         await still_serves(gw)
@@ -614,12 +707,12 @@ def _score(k: int) -> float:
     return -((k * 37) % 128) / 64  # a permutation of 0..127 over the candidates
 
 
-async def test_best_of_128_all_finishing_together_returns_the_top_n() -> None:
+async def test_best_of_128_all_finishing_together_returns_the_top_n(protocol: str) -> None:
     """Regression: best_of = 128 with 4-token candidates answered 500 ("result requested
     before every choice finished"): a loser cancelled while its task waited for room in the
     full channel to queue the engine's finish lost that finish."""
-    engine = FakeEngine(script=_ranked_script)
-    async with running_gateway(engine) as gw:
+    engine = fake(protocol, _ranked_script)
+    async with running_gateway(engine, protocol=protocol) as gw:
         for rid, n in (("bo128a", None), ("bo128b", 3)):
             extra: dict[str, Any] = {"best_of": 128, "max_tokens": 4, "logprobs": True}
             if n is not None:
@@ -633,15 +726,15 @@ async def test_best_of_128_all_finishing_together_returns_the_top_n() -> None:
             assert got == ["".join(f" c{k}t{j}" for j in range(4)) for k in top]
             assert all(c["finish_reason"] == "length" for c in choices)
         await settled(engine)
-        at_most_one_abort(engine)
+        at_most_one_abort(engine, protocol)
         await still_serves(gw)
 
 
-async def test_n128_streamed_all_finishing_together() -> None:
+async def test_n128_streamed_all_finishing_together(protocol: str) -> None:
     """n = 128 streamed, 4-token candidates finishing in the same steps: every choice gets its
     tokens and its closure chunk, then [DONE]."""
-    engine = FakeEngine(script=_ranked_script)
-    async with running_gateway(engine) as gw:
+    engine = fake(protocol, _ranked_script)
+    async with running_gateway(engine, protocol=protocol) as gw:
         r = await post(gw, "st128", stream=True, n=128, max_tokens=4)
         assert r.status_code == 200, r.text
         events = sse_events(r.text)
@@ -659,16 +752,16 @@ async def test_n128_streamed_all_finishing_together() -> None:
         assert reasons == dict.fromkeys(range(128), "length")
         assert text == {k: "".join(f" c{k}t{j}" for j in range(4)) for k in range(128)}
         await settled(engine)
-        assert engine.aborts == []
+        assert ended(engine, protocol) == []
 
 
-async def test_n4_all_finish_no_aborts() -> None:
-    engine = FakeEngine()
-    async with running_gateway(engine) as gw:
+async def test_n4_all_finish_no_aborts(protocol: str) -> None:
+    engine = fake(protocol)
+    async with running_gateway(engine, protocol=protocol) as gw:
         for stream in (True, False):
             r = await post(gw, f"ok{int(stream)}", stream=stream, n=4, max_tokens=8)
             assert r.status_code == 200, r.text
         await settled(engine)
         await trio.sleep(0.2)
-        assert engine.aborts == []
+        assert ended(engine, protocol) == []
         assert sorted(engine.finished) == sorted(f"ok{s}-{i}" for s in (0, 1) for i in range(4))

@@ -1,6 +1,7 @@
 """The gateway in front of an OpenAI-compatible engine (``protocol = "openai"``,
 ``core.openai_upstream``): the fake engine's ``/v1/completions`` mode, with the same scripts and
-faults as its native ``/generate``."""
+faults as its native ``/generate``. The fault matrix and the disconnect tests run through both
+protocols in ``test_faults``; this module has what is the OpenAI protocol's own."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import openai
 import pytest
 import trio
 
-from engine.fake import Call, DefaultScript, FakeEngine, Fault, Plan, default_tokens
+from engine.fake import Call, DefaultScript, FakeEngine, Plan, default_tokens
 from sieproxy.core.errors import EngineHTTPError
 from sieproxy.engine_client import EngineClient
 
-from .harness import MODEL, running_gateway, sse_events
+from .harness import MODEL, running_gateway
 from .test_openai_sdk import MSGS, _client, _sync
 
 
@@ -93,7 +94,7 @@ async def test_n4_streaming_order_and_the_stream_helper_with_n2() -> None:
 
 def _ranked_script(call: Call) -> Plan:
     # Candidate 2 (seed 102) is the likeliest: its tokens' logprobs are the highest.
-    seed = call.body.get("seed")
+    seed = call.body.get("seed", call.body.get("sampling_params", {}).get("sampling_seed"))
     tokens, ids = default_tokens(int(seed or 0), 3)
     lp = -0.1 if seed == 102 else -2.0
     return Plan(tokens=tokens, token_ids=ids, logprobs=[lp] * 3)
@@ -116,71 +117,29 @@ async def test_best_of_ranks_by_the_upstream_logprobs() -> None:
         client.close()
 
 
-@pytest.mark.parametrize("n", [1, 3], ids=["inline", "channel"])
-async def test_disconnect_closes_every_candidates_connection(n: int) -> None:
-    engine = FakeEngine(DefaultScript(tokens=400, itl=0.01))
-    async with running_gateway(engine, protocol="openai") as gw:
-        with trio.fail_after(20):
-            async with gw.client.stream(
-                "POST", "/v1/chat/completions",
-                json={"model": MODEL, "messages": MSGS, "stream": True, "n": n,
-                      "max_tokens": 400},
-            ) as r:  # fmt: skip
-                assert r.status_code == 200
-                seen = 0
-                async for line in r.aiter_lines():
-                    seen += line.startswith("data: ")
-                    if seen >= n + 5:
-                        break
-        with trio.fail_after(10):
-            await engine.wait_for(lambda: not engine.running and len(engine.cancelled) == n)
-        assert not engine.finished and not engine.aborts  # no /abort_request: the close is it
-
-
-HANGS = [Fault.hang(before_headers=True), Fault.hang(0), Fault.hang(2)]
-
-
-@pytest.mark.parametrize("n", [1, 2], ids=["inline", "channel"])
-@pytest.mark.parametrize("fault", HANGS, ids=["before_headers", "first_token", "between"])
-async def test_a_hung_engine_times_out_and_its_connections_close(fault: Fault, n: int) -> None:
-    engine = FakeEngine(lambda call: Plan(tokens=[" w0", " w1", " w2", " w3"], fault=fault))
-    async with running_gateway(engine, protocol="openai", token_gap_timeout=0.5) as gw:
-        with trio.fail_after(8):
-            r = await gw.chat(model=MODEL, messages=MSGS, stream=False, n=n, max_tokens=10)
-        assert r.status_code == 504, r.text
-        assert r.json()["error"]["code"] == "upstream_timeout"
-        with trio.fail_after(10):
-            await engine.wait_for(lambda: not engine.running and len(engine.cancelled) == n)
-        assert not engine.aborts
-
-
-@pytest.mark.parametrize(
-    ("fault", "code"),
-    [
-        (Fault.error_event(2, "boom", 500), "upstream_error"),
-        (Fault.error_event(2, "too long", 400), "invalid_request"),
-        (Fault.eof(2, clean=False), "upstream_truncated"),
-        (Fault.malformed(2), "malformed_upstream"),
-    ],
-    ids=["error_500", "error_400", "eof", "malformed"],
-)
 @pytest.mark.parametrize("protocol", ["sglang", "openai"])
-async def test_a_mid_stream_engine_failure_is_an_sse_error_then_done(
-    fault: Fault, code: str, protocol: str
-) -> None:
-    """The same faults give the client the same answer through either protocol."""
-    engine = FakeEngine(lambda call: Plan(tokens=[" w0", " w1", " w2", " w3"], fault=fault))
+async def test_best_of_from_an_engine_without_logprobs_is_a_400(protocol: str) -> None:
+    """An engine that accepts ``logprobs`` and returns none cannot rank ``best_of``: a 400
+    naming ``best_of``, not candidates ranked by chance; every candidate's generation ends."""
+    engine = FakeEngine(_ranked_script)
+    engine.returns_logprobs = False
     async with running_gateway(engine, protocol=protocol) as gw:
-        r = await gw.chat(model=MODEL, messages=MSGS, stream=True, max_tokens=10)
+        for extra in ({"best_of": 3}, {"best_of": 3, "n": 2, "logprobs": True}):
+            r = await gw.chat(model=MODEL, messages=MSGS, max_tokens=3, seed=100, **extra)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "best_of" and err["code"] == "invalid_request", err
+            assert "returns no logprobs" in err["message"], err
+            with trio.fail_after(10):
+                await engine.wait_for(lambda: not engine.running)
+        # Without best_of nothing needs ranking: the answer comes, with no logprobs to show.
+        r = await gw.chat(model=MODEL, messages=MSGS, max_tokens=3, logprobs=True)
         assert r.status_code == 200, r.text
-        events = sse_events(r.text)
-        assert events[-1] == "[DONE]"
-        assert events[-2]["error"]["code"] == code, events
-        text = "".join(
-            e["choices"][0]["delta"].get("content") or ""
-            for e in events[:-2] if isinstance(e, dict) and e.get("choices")
-        )  # fmt: skip
-        assert text == " w0 w1"
+        assert r.json()["choices"][0]["logprobs"] == {"content": []}
+        engine.returns_logprobs = True  # the same request ranks once the logprobs come
+        r = await gw.chat(model=MODEL, messages=MSGS, max_tokens=3, seed=100, best_of=3)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == "".join(default_tokens(102, 3)[0])
 
 
 @pytest.mark.parametrize("stream", [False, True])

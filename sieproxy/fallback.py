@@ -89,5 +89,5 @@ class Fallbacks:
                 continue  # this target cannot take the request: the next one
             self.current = plan
             self._observer.fallback(self.model, cause)
-            return Route(model, pool, replica, hints, plan.bodies, plan.shaper, plan.losers)
+            return Route(model, pool, replica, hints, plan.bodies, plan.shaper)
         return None

@@ -4,7 +4,7 @@ buffer fewer per chunk.
 
 :meth:`InlineReader.next` is the response task's read: the candidate's next events, through
 the same token step (:meth:`~sieproxy.candidate.Candidate.step`) and the same edges (open,
-abort, settle: :class:`~sieproxy.candidate.Attempt`) as the candidate tasks of ``n`` > 1.
+abort, settle: :class:`~sieproxy.attempt.Attempt`) as the candidate tasks of ``n`` > 1.
 Its waits for the engine are bounded by the process's :class:`~sieproxy.timers.WaitTimer`
 (gap and deadline: :meth:`InlineReader.timer_due`) instead of a cancel scope each; a stalled
 client write is handled by the stall sweeper closing the upstream connection and sending the
@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import trio
 
-from .candidate import Attempt, Candidate, Event, Step
+from .attempt import Attempt
+from .candidate import Candidate, Event, Step
 from .core.errors import EngineHTTPError, EngineUnreachable, GatewayError
 from .core.protocol import ExpressLane
 from .engine_client import Exchange, UpstreamResponse

@@ -11,14 +11,16 @@ the engine (an ``UpstreamError`` with a ``refusal``) is said in the request's ow
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
+from typing import Protocol
 
 import trio
 
-from .candidate import Attempt, Event
+from .attempt import Attempt
+from .candidate import Event
 from .core.errors import GatewayError, UpstreamError
 from .core.events import CandidateDelta, CandidateFinish
 from .core.refusal import RequestFields, explain
+from .stats import RequestStats
 
 __all__ = ["Merger", "Shaper", "buffered"]
 
@@ -47,11 +49,13 @@ class Merger:
 
     __slots__ = ("deferred", "ends", "fields", "handled_any", "shaper", "stats", "up")
 
-    def __init__(self, shaper: Shaper, up: Attempt, stats: Any, fields: RequestFields) -> None:
+    def __init__(
+        self, shaper: Shaper, up: Attempt, stats: RequestStats, fields: RequestFields
+    ) -> None:
         self.shaper = shaper
         self.ends = shaper.ends
         self.up = up  # the candidates the decisions apply to (a retry replaces it)
-        self.stats = stats  # ``relay.RequestStats``: the time to first token
+        self.stats = stats  # the time to first token
         self.fields = fields
         self.handled_any = False  # an engine event reached the shaper (no retry after that)
         self.deferred: Event | None = None  # an error drained after frames; raised next

@@ -5,8 +5,8 @@ Theory of operation
 A :class:`GenerationBody` is the response body of a generation request: the request only — its
 nursery and channel, the merge loop, the retry before the first byte, and the end. Its
 candidates and how each one is opened, read, aborted and settled are an
-:class:`~sieproxy.candidate.Attempt` on one replica (``sieproxy.candidate``: the state table and
-the token step every driver uses). The HTTP layer (``sieproxy.generation``) enters the body
+:class:`~sieproxy.attempt.Attempt` on one replica (a candidate's state table and the token step
+every driver uses: ``sieproxy.candidate``). The HTTP layer (``sieproxy.generation``) enters the body
 (``__aenter__`` opens the request's nursery), may call :meth:`~GenerationBody.open` (which sends
 the engine requests at once, so that writing the response head overlaps the engine's work),
 then calls :meth:`~GenerationBody.prime`, which waits for the first upstream event:
@@ -21,7 +21,7 @@ then calls :meth:`~GenerationBody.prime`, which waits for the first upstream eve
 * otherwise the status is 200 and the body streams (or, for non-streaming requests, ``prime``
   collects the whole answer first and the body is one JSON document).
 
-``n`` > 1 (or best_of): one task per candidate (:meth:`~sieproxy.candidate.Attempt.run`)
+``n`` > 1 (or best_of): one task per candidate (:meth:`~sieproxy.attempt.Attempt.run`)
 streams its engine response through the token step into its ``clone()`` of a *bounded*
 channel. The merger runs in the response task itself (``__anext__``): it receives one event,
 drains whatever else is already buffered (coalescing frames that arrive together into one
@@ -34,11 +34,11 @@ between two client writes (``sieproxy.inline``), and the relay pump may relay it
 the task waits (``sieproxy.pump``).
 
 The shaper's decisions come back as values (``Shaper.ends``: stop candidate ``i``, ``j`` lost
-best_of), and the body ends those candidates. A stalled client write (``sieproxy.timers``), the
-gateway's shutdown, the client leaving and the end of the response end the rest. Every
-candidate that ends without a terminal event from its engine is aborted exactly once
-(``sieproxy.candidate``); ``__aexit__`` cancels what is still running and waits for the
-nursery, so nothing outlives the request.
+best_of), and the merger ends those candidates (``sieproxy.merge``). A stalled client write
+(``sieproxy.timers``), the gateway's shutdown, the client leaving and the end of the response
+end the rest. Every candidate that ends without a terminal event from its engine is aborted
+exactly once (``sieproxy.attempt``); ``__aexit__`` cancels what is still running and waits for
+the nursery, so nothing outlives the request.
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
-from .candidate import Attempt, Candidate, Event
+from .attempt import Attempt
+from .candidate import Event
 from .channels import take
 from .core.errors import EngineTimeout, GatewayError, InternalError, UpstreamError
 from .core.refusal import RequestFields
@@ -61,56 +61,17 @@ from .merge import Merger, Shaper, buffered
 from .pool import ModelPool, Replica, RouteHints
 from .pump import Outlet, Pump
 from .settings import GatewaySettings
+from .stats import RequestStats
 from .timers import WaitTimer, sweep_stalls
 
-__all__ = ["GenerationBody", "RequestStats", "Route", "Shaper", "WaitTimer", "sweep_stalls"]
+if TYPE_CHECKING:
+    from .fallback import FallBack, Route
+
+__all__ = ["GenerationBody", "RequestStats", "Shaper", "WaitTimer", "sweep_stalls"]
 
 log = logging.getLogger("sieproxy.relay")
 
 _T = TypeVar("_T")
-
-
-@dataclass(slots=True)
-class Route:
-    """Where a request runs after a fallback (``sieproxy.fallback``): the model and its pool,
-    the replica holding the request's slots, the routing hints, and the engine bodies and
-    response shaper planned for that model."""
-
-    model: str
-    pool: ModelPool
-    replica: Replica
-    hints: RouteHints
-    bodies: list[dict[str, Any]]
-    shaper: Shaper
-
-
-#: The next fallback of a request that failed (cause, the failed replica), or None.
-FallBack = Callable[[str, Replica], Awaitable[Route | None]]
-
-
-@dataclass(slots=True)
-class RequestStats:
-    """What the access log and metrics record about one request."""
-
-    request_id: str
-    model: str
-    endpoint: str
-    n: int
-    stream: bool
-    replica: str | None = None
-    started: float = 0.0
-    first_token_at: float | None = None
-    abort_causes: dict[str, int] = field(default_factory=dict)
-    retried: bool = False
-    error: GatewayError | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    sdk_version: str | None = None
-    #: How the response ended for its client: ``complete`` (its end was sent), ``client_closed``
-    #: (the client left first) or ``cut`` (the gateway stopped first: a shutdown stopping at
-    #: once).
-    outcome: str = "complete"
-    responded: bool = False  # its status line was sent
 
 
 class GenerationBody:
@@ -249,30 +210,15 @@ class GenerationBody:
         """Start the candidates' tasks; ``sent[i]``: candidate ``i``'s request as ``open()``
         sent it (or why it could not), else the task sends it."""
         assert self._nursery is not None
-        up = self._up
-        send, recv = trio.open_memory_channel[Event](self._g.channel_size)
-        self._recv = recv
-        cands = [Candidate(i, up.reader()) for i in range(self._k)]
-        for c in cands:
-            c.scope = trio.CancelScope(deadline=self._deadline)
-        up.reset(cands)
-        with send:
-            for i in range(self._k):
-                ex = sent[i] if i < len(sent) else None
-                self._nursery.start_soon(up.run, i, send.clone(), ex)
+        send, self._recv = trio.open_memory_channel[Event](self._g.channel_size)
+        self._up.launch(self._nursery, send, sent)
 
     async def open(self) -> bool:
-        """Send the engine requests now: what the caller does before ``prime()`` then
-        overlaps the engine's work on them (the response head's bytes). ``prime()`` waits for
-        the answers. True if every request went out.
-
-        ``n`` = 1 (inline): a failure to send is kept for ``prime()``, which handles it as it
-        would its own (a retry on another replica). ``n`` > 1: this task sends every
-        candidate's request, one after the other, and then starts the candidates' tasks,
-        which wait for the answers (``_launch``); a candidate whose request could not be sent
-        fails in its task as if the task had sent it. Only requests that find a connection
-        slot free are sent here: the rest are sent by their tasks, which can wait for one
-        (this task would wait for a slot its own unread requests hold)."""
+        """Send the engine requests now, so that what the caller does before ``prime()`` (the
+        response head's bytes) overlaps the engine's work; True if every request went out.
+        A failure to send is handled when ``prime()`` reads (a retry on another replica).
+        ``n`` > 1: the requests that find a free connection are sent here
+        (``Attempt.send_all``), then the candidates' tasks start and send the rest."""
         if self._il is not None:
             return await self._il.send_now()
         if self._nursery is None or self._recv is not None:  # not entered, or launched
@@ -295,15 +241,11 @@ class GenerationBody:
 
     async def client_write(self, sending: Awaitable[_T]) -> _T:
         """Await ``sending``, a write to the client, as a parked write: while it waits, the
-        stall sweeper sees since when (``writing_since``, ``check_stall``).
-
-        The token gap measures the engine's silence only: the time an inline reader spends in
-        a client write does not count (a client that reads slowly blocks the write, and the
-        engine, unread meanwhile, may be blocked by TCP in turn). The gap clock is paused for
-        the write's duration (the reader's ``last`` moves later by it), so the wait timer does
-        not take a slow client for a silent engine; a client that stops reading is reported as
-        stalled, by the stall sweeper, whatever the two limits are. (Candidates of a channel
-        lift their gap while their queue is full instead.)"""
+        stall sweeper sees since when (``writing_since``, ``check_stall``). The token gap
+        measures the engine's silence only, so an inline reader's gap clock is paused for the
+        write (its ``last`` moves later by it): the wait timer does not take a slow client for
+        a silent engine; a client that stops reading is the sweeper's to report. (Candidate
+        tasks lift their gap while their channel is full instead.)"""
         now = self._now  # the run's clock: cheaper than ``trio.current_time``
         since = self.writing_since = now()
         try:

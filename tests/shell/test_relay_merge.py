@@ -19,7 +19,8 @@ import pytest
 import trio
 import trio.testing
 
-from sieproxy.candidate import Attempt, Candidate
+from sieproxy.attempt import Attempt
+from sieproxy.candidate import Candidate
 from sieproxy.core.errors import EngineTimeout, EngineTruncated
 from sieproxy.core.events import CandidateDelta, CandidateFinish
 from sieproxy.core.merger import ChatStream

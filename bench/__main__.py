@@ -839,7 +839,7 @@ def cmd_token_path(a: argparse.Namespace) -> None:
         *_intro("token-path", meta, "valgrind's callgrind counts instructions, so the figures "
                 "do not depend on the machine's load"),
         f"Each build relays {lo:,} and then {hi:,} tokens of a streamed chat through "
-        "`GenerationBody.ride()` (bench/token_path.py: the relay pump's step, real code from "
+        "`InlineReader.ride()` (bench/token_path.py: the relay pump's step, real code from "
         "the engine's bytes to the client's framed chunk, no system calls); the difference "
         "between the two runs, divided by the difference in tokens, is the figure.", "",
         *rows,
@@ -879,7 +879,7 @@ def _token_path_streams(a: argparse.Namespace) -> None:
     path = _save("token-path-streams", meta, runs, extra={str(n): v for n, v in table.items()})
     md = "\n".join([
         *_intro("token-path-streams", meta, "timed: only the ratios within a round compare"),
-        f"Each run relays {tokens:,} tokens of streamed chats through `GenerationBody.ride()` "
+        f"Each run relays {tokens:,} tokens of streamed chats through `InlineReader.ride()` "
         "(bench/token_path.py, the step whose instructions `token-path` counts: the same "
         "code for every number of streams), token *i* to stream *i* mod *streams*, in a "
         "process of its own. So what changes with the number of streams is only how many "

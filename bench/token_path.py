@@ -3,7 +3,7 @@
 ``python bench/token_path.py TOKENS`` builds a streamed chat request the way the gateway does
 (``core.pipeline.build_chat`` on the bench's model profile), an ``n`` = 1 response body
 (``relay.GenerationBody``) reading an engine response, and a client writer, and then relays
-``TOKENS`` tokens through ``GenerationBody.ride()`` — the relay pump's step, which carries
+``TOKENS`` tokens through ``InlineReader.ride()`` — the relay pump's step, which carries
 nearly every token of a streamed ``n`` = 1 response (sieproxy/pump.py). Each step runs the
 real code: the engine's HTTP/1.1 chunk framing (``core.http1``), SSE (``core.sse``), SGLang's
 ``/generate`` chunk (``core.sglang``), the choice and the chunk shaper (``core.choice``,
@@ -109,9 +109,11 @@ class _Stream:
     closed = False
 
 
-def _stream(state: Any, k: int) -> tuple[GenerationBody, _Client]:
+def _stream(state: Any, k: int) -> tuple[Any, _Client]:
     """Stream ``k``: a streamed chat's response body, primed and carried by the pump (as the
-    route leaves it), reading ``_Engine``'s chunks and writing to its own ``_Client``."""
+    route leaves it), reading ``_Engine``'s chunks and writing to its own ``_Client``; what the
+    pump calls ``ride()`` on (the inline reader; in revisions before ``sieproxy/inline.py``,
+    the body itself). Written for both shapes, so ``--against`` can count older revisions."""
     raw = json.dumps(
         {"model": "bench-model", "stream": True, "max_tokens": 1 << 20,
          "messages": [{"role": "user", "content": f"Tell me a long story #{k + 1}."}]}
@@ -125,9 +127,11 @@ def _stream(state: Any, k: int) -> tuple[GenerationBody, _Client]:
         stats=RequestStats(request_id=rid, model=plan.model, endpoint="chat", n=1, stream=True),
         pump=state.pump,
     )
-    body._now = trio.lowlevel.current_clock().current_time  # as __aenter__ sets it
-    body._deadline = math.inf
-    body._shaper.start()  # the role chunk: prime()'s work, before the loop
+    clock = trio.lowlevel.current_clock().current_time  # as __aenter__ sets it
+    body._now, body._deadline = clock, math.inf
+    # The role chunk: prime()'s work, before the loop (the shaper is the merger's since
+    # sieproxy/merge.py, the body's before).
+    (body._m.shaper if hasattr(body, "_m") else body._shaper).start()
     body.stats.first_token_at = 0.0  # prime() counted the first token
     parser = ResponseParser()
     parser.feed(HEAD)
@@ -136,6 +140,8 @@ def _stream(state: Any, k: int) -> tuple[GenerationBody, _Client]:
     out._server, out._stream, out._rest = client, _Stream(), b""  # type: ignore[assignment]
     il = body._il
     assert il is not None
+    if hasattr(il, "ride"):  # sieproxy/inline.py: the reader keeps its own clock and deadline
+        il.clock, il.deadline = clock, math.inf
     il.resp = UpstreamResponse(_Engine(), parser, b"")  # type: ignore[arg-type]
     max_line = state.settings.gateway.max_sse_line_bytes
     if NativeReader is not None:
@@ -144,7 +150,7 @@ def _stream(state: Any, k: int) -> tuple[GenerationBody, _Client]:
         il.reader = GenerateReader(incremental=True)
         il.decoder = SSEDecoder(max_line)  # type: ignore[attr-defined]
     body.carry(out)  # the response head is out: the pump may relay (as the route does)
-    return body, client
+    return (il if hasattr(il, "ride") else body), client
 
 
 async def relay(
@@ -162,11 +168,12 @@ async def relay(
     if freeze:
         gc.collect()
         gc.freeze()
-    bodies = [body for body, _ in made]
+    riders = [rider for rider, _ in made]
     start = time.perf_counter()
-    for body in itertools.islice(itertools.cycle(bodies), tokens):
-        if not body.ride():
-            raise SystemExit(f"the relay handed the stream back: {body._il and body._il.stash!r}")
+    for rider in itertools.islice(itertools.cycle(riders), tokens):
+        if not rider.ride():
+            stash = getattr(rider, "stash", None) or rider._il.stash
+            raise SystemExit(f"the relay handed the stream back: {stash!r}")
     seconds = time.perf_counter() - start
     clients = [client for _, client in made]
     last = clients[(tokens - 1) % streams].last

@@ -386,7 +386,6 @@ async def _start(
         shaper=plan.shaper,
         streaming=plan.stream,
         stats=stats,
-        losers=plan.losers,
         on_done=finish,
         timer=state.timer,
         pump=state.pump,

@@ -21,16 +21,36 @@ replicas has room. The request is then planned for the target's model, so the re
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from .core.errors import GatewayError
 from .core.pipeline import Prepared
 from .core.profile import ModelProfile
+from .merge import Shaper
 from .observe import Observer
 from .pool import ModelPool, Replica, RouteHints
-from .relay import Route
 
-__all__ = ["Fallbacks", "cause_of"]
+__all__ = ["FallBack", "Fallbacks", "Route", "cause_of"]
+
+
+@dataclass(slots=True)
+class Route:
+    """Where a request runs after a fallback: the model and its pool, the replica holding the
+    request's slots, the routing hints, and the engine bodies and response shaper planned for
+    that model."""
+
+    model: str
+    pool: ModelPool
+    replica: Replica
+    hints: RouteHints
+    bodies: list[dict[str, Any]]
+    shaper: Shaper
+
+
+#: The next fallback of a request that failed (cause, the failed replica), or None.
+FallBack = Callable[[str, Replica], Awaitable[Route | None]]
 
 #: Plans the request for a model: ``build_chat`` etc. with everything but ``model`` bound.
 Planner = Callable[[str], Prepared]
@@ -89,5 +109,5 @@ class Fallbacks:
                 continue  # this target cannot take the request: the next one
             self.current = plan
             self._observer.fallback(self.model, cause)
-            return Route(model, pool, replica, hints, plan.bodies, plan.shaper, plan.losers)
+            return Route(model, pool, replica, hints, plan.bodies, plan.shaper)
         return None

@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 
 from .core.errors import GatewayError
 from .pool import ModelPool
-from .relay import RequestStats
+from .stats import RequestStats
 
 __all__ = ["FALLBACK_CAUSES", "Observer"]
 

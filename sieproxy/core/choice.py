@@ -7,10 +7,11 @@ Each candidate's text runs through a fixed pipeline::
     CandidateDelta.text ─▶ StopMatcher ─▶ ReasoningParser? ─▶ ToolCallParser? ─▶ ChoiceDelta
 
 - The stop matcher holds back any tail that could start a stop string and cuts the text at the
-  first stop to complete. When it matches, the choice moves to ``STOPPED``: the shell sees
-  :attr:`ChoiceState.stop_matched` and aborts the upstream candidate; deltas still in flight are
-  ignored, and the finish reason becomes ``stop`` whatever the engine reports afterwards
-  (usually an ``abort`` without status, caused by the gateway's own abort).
+  first stop to complete. When it matches, the choice moves to ``STOPPED`` and announces
+  ``(index, "stop")`` in the shaper's ``ends``: the shell ends and aborts the upstream
+  candidate; deltas still in flight are ignored, and the finish reason becomes ``stop``
+  whatever the engine reports afterwards (usually an ``abort`` without status, caused by the
+  gateway's own abort).
 - The reasoning parser splits reasoning from content. With ``include_reasoning`` false the
   reasoning is dropped (the engine still counts its tokens in ``completion_tokens``).
 - The tool-call parser turns content into plain content plus tool-call deltas.
@@ -158,6 +159,7 @@ class ChoiceState:
         "collect",
         "completion_tokens",
         "cumulative_logprob",
+        "ends",
         "engine_reason",
         "finish_reason",
         "include_reasoning",
@@ -182,8 +184,11 @@ class ChoiceState:
         include_reasoning: bool = False,
         logprobs: bool = False,
         collect: bool = True,
+        ends: list[tuple[int, str]] | None = None,
     ) -> None:
         self.index = index
+        #: Where the choice announces that its candidate must end (the shaper's ``ends``).
+        self.ends = ends
         self.phase = ChoicePhase.OPEN
         self.include_reasoning = include_reasoning
         self.want_logprobs = logprobs
@@ -206,7 +211,8 @@ class ChoiceState:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.reasoning_tokens = 0
-        #: The gateway matched a stop string: the shell aborts the upstream candidate.
+        #: The gateway matched a stop string (announced in ``ends`` as ``(index, "stop")``: the
+        #: shell ends the upstream candidate).
         self.stop_matched = False
         self.engine_reason: str | None = None
         self.finish_reason: str | None = None
@@ -248,6 +254,8 @@ class ChoiceState:
         if matched:
             self.stop_matched = True
             self._to(ChoiceEvent.STOP_MATCH)
+            if self.ends is not None:
+                self.ends.append((self.index, "stop"))
         return out
 
     def finish(self, fin: CandidateFinish) -> ChoiceDelta:

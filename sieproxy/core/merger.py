@@ -35,8 +35,9 @@ tokens of the *returned* choices summed (reasoning included, shown or not), tota
 ``prompt_tokens_details.cached_tokens`` the engine's ``cached_tokens``, once: the least any
 returned candidate reported.
 
-best_of (non-streaming only): every candidate is collected; :meth:`ChatCollector.losers` names
-unfinished candidates that can no longer be returned so the shell can abort them; the result
+best_of (non-streaming only): every candidate is collected; after each event the collector
+announces in ``ends`` the unfinished candidates that can no longer be returned
+(:meth:`ChatCollector.losers`, ``(index, "best_of")``) so the shell can abort them; the result
 keeps the top ``n`` by cumulative logprob, re-indexed ``0..n-1``, and carries logprobs only if
 the client asked for them. A candidate that finishes with tokens but without a single logprob
 (an engine that accepts ``logprobs`` and returns none, as some OpenAI-compatible servers do)
@@ -246,7 +247,7 @@ _STREAM_TRANSITIONS: dict[tuple[StreamPhase, _Ev], StreamPhase] = {
 class _StreamBase:
     """Envelope prefix, state table, choice lookup, error and end framing."""
 
-    __slots__ = ("_affixes", "_head", "_tail", "choices", "include_usage", "phase")
+    __slots__ = ("_affixes", "_head", "_tail", "choices", "ends", "include_usage", "phase")
 
     _object: str = ""
 
@@ -268,6 +269,9 @@ class _StreamBase:
         )
         self._tail = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
         self.choices: list[ChoiceState] = []
+        #: Candidates the shell must end, as decided: ``(index, "stop")`` once a stop string
+        #: matched (the shell empties the list).
+        self.ends: list[tuple[int, str]] = []
         self._affixes: list[tuple[bytes, bytes]] = []  # ``text_affixes``, per choice index
 
     def _text_choice(self, index: int, text: str) -> Struct:
@@ -331,10 +335,6 @@ class _StreamBase:
         _enc.encode_into(choice, out, -1)
         out += self._tail
 
-    def stopped(self, index: int) -> bool:
-        """True once the gateway matched a stop string for ``index`` (abort its candidate)."""
-        return self.choices[index].stop_matched
-
     def finished(self, index: int) -> bool:
         return self.choices[index].finished
 
@@ -396,6 +396,7 @@ class ChatStream(_StreamBase):
                 include_reasoning=valid.include_reasoning,
                 logprobs=valid.logprobs,
                 collect=False,
+                ends=self.ends,
             )
             for i in range(valid.n)
         ]
@@ -455,7 +456,7 @@ class CompletionStream(_StreamBase):
         self, valid: ValidCompletion, *, response_id: str, model: str, created: int
     ) -> None:
         super().__init__(response_id=response_id, model=model, created=created, include_usage=False)
-        self.choices = [ChoiceState(0, stops=valid.stop, collect=False)]
+        self.choices = [ChoiceState(0, stops=valid.stop, collect=False, ends=self.ends)]
 
     def start(self) -> bytes:
         """Nothing to send up front; moves the stream to ``STREAMING``."""
@@ -484,6 +485,10 @@ class CompletionStream(_StreamBase):
 
 class _CollectorBase:
     choices: list[ChoiceState]
+    #: Candidates the shell must end, as decided: ``(index, "stop")`` once a stop string
+    #: matched, ``(index, "best_of")`` once a candidate can no longer be returned (the shell
+    #: empties the list).
+    ends: list[tuple[int, str]]
 
     def _choice(self, index: int) -> ChoiceState:
         if not 0 <= index < len(self.choices):
@@ -495,9 +500,6 @@ class _CollectorBase:
 
     def on_finish(self, index: int, finish: CandidateFinish) -> None:
         self._choice(index).finish(finish)
-
-    def stopped(self, index: int) -> bool:
-        return self.choices[index].stop_matched
 
     def finished(self, index: int) -> bool:
         return self.choices[index].finished
@@ -525,6 +527,7 @@ class ChatCollector(_CollectorBase):
         self.model = model
         self.created = created
         self.show_reasoning = valid.include_reasoning and reasoning_parser is not None
+        self.ends = []
         self.choices = [
             ChoiceState(
                 i,
@@ -533,6 +536,7 @@ class ChatCollector(_CollectorBase):
                 tools=tool_parser,
                 include_reasoning=valid.include_reasoning,
                 logprobs=valid.logprobs,
+                ends=self.ends,
             )
             for i in range(valid.candidates)
         ]
@@ -544,12 +548,16 @@ class ChatCollector(_CollectorBase):
         if self._ranks and delta.logprobs:
             self._scored.add(index)
         self._choice(index).feed(delta)
+        if self._ranks:
+            self.ends.extend((j, "best_of") for j in self.losers())
 
     def on_finish(self, index: int, finish: CandidateFinish) -> None:
         c = self._choice(index)
         c.finish(finish)
-        if self._ranks and c.completion_tokens > 0 and index not in self._scored:
-            raise best_of_without_logprobs()
+        if self._ranks:
+            if c.completion_tokens > 0 and index not in self._scored:
+                raise best_of_without_logprobs()
+            self.ends.extend((j, "best_of") for j in self.losers())
 
     def losers(self) -> list[int]:
         """best_of: unfinished candidates that can no longer be returned (each reported once)."""
@@ -615,7 +623,8 @@ class CompletionCollector(_CollectorBase):
         self.response_id = response_id
         self.model = model
         self.created = created
-        self.choices = [ChoiceState(0, stops=valid.stop)]
+        self.ends = []
+        self.choices = [ChoiceState(0, stops=valid.stop, ends=self.ends)]
 
     def result(self) -> bytes:
         """The ``text_completion`` body."""

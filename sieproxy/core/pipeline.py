@@ -37,6 +37,7 @@ class _Collected:
     def __init__(self, collector: ChatCollector | CompletionCollector) -> None:
         self.collector = collector
         self.choices = collector.choices
+        self.ends = collector.ends
 
     def start(self) -> bytes:
         return b""
@@ -55,9 +56,6 @@ class _Collected:
     def end(self) -> bytes:
         return self.collector.result()
 
-    def stopped(self, index: int) -> bool:
-        return self.collector.stopped(index)
-
 
 @dataclass(slots=True)
 class Prepared:
@@ -68,7 +66,6 @@ class Prepared:
     stream: bool
     bodies: list[dict[str, Any]]
     shaper: Any  # ChatStream | CompletionStream | _Collected
-    losers: Callable[[], list[int]] | None
     affinity_key: str | None
     #: The prompt's prefix-affinity key, used when ``affinity_key`` is None (model routing
     #: ``prefix``).
@@ -159,21 +156,17 @@ def build_chat(
         "tool_parser": tool_factory,
     }
     shaper: Any
-    losers = None
     if valid.stream:
         shaper = ChatStream(valid, **kw)
     else:
         collector = ChatCollector(valid, **kw)
         shaper = _Collected(collector)
-        if valid.candidates > valid.n:
-            losers = collector.losers
     return Prepared(
         model=req.model,
         n=valid.n,
         stream=valid.stream,
         bodies=plan.bodies,
         shaper=shaper,
-        losers=losers,
         affinity_key=req.routing_key or req.prompt_cache_key,
         prefix_key=plan.prefix_key,
         fields=RequestFields(
@@ -217,7 +210,6 @@ def build_completion(
         stream=valid.stream,
         bodies=[body],
         shaper=shaper,
-        losers=None,
         affinity_key=None,
         prefix_key=prefix_key(valid.prompt),
         fields=RequestFields(prompt="prompt", max_tokens="max_tokens"),
@@ -258,7 +250,6 @@ def build_responses(
         stream=valid.stream,
         bodies=plan.bodies,
         shaper=shaper,
-        losers=None,
         affinity_key=req.prompt_cache_key,
         prefix_key=plan.prefix_key,
         fields=RequestFields(

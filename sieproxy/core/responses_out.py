@@ -149,6 +149,9 @@ class ResponsesShaper:
         self.response_id = f"resp_{request_id}"
         self.model = model
         self.created = created
+        #: Candidates the shell must end, as decided: ``(0, "stop")`` once a stop string
+        #: matched (the shell empties the list).
+        self.ends: list[tuple[int, str]] = []
         self.choices = [
             ChoiceState(
                 0,
@@ -157,6 +160,7 @@ class ResponsesShaper:
                 tools=tool_parser,
                 include_reasoning=valid.include_reasoning,
                 collect=False,
+                ends=self.ends,
             )
         ]
         self.items: list[_Item] = []
@@ -231,9 +235,6 @@ class ResponsesShaper:
             return _enc.encode(response)
         self._event(f"response.{status}", response=response)
         return self._take()
-
-    def stopped(self, index: int) -> bool:
-        return self.choices[index].stop_matched
 
     # ------------------------------------------------------------------ items
 

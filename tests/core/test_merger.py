@@ -202,10 +202,11 @@ def test_chat_stream_stop_string_and_stopped_flag() -> None:
     )
     out = bytearray(stream.start())
     out += stream.on_delta(0, CandidateDelta("abcST", 2))
-    assert not stream.stopped(0)
+    assert stream.ends == []
     out += stream.on_delta(0, CandidateDelta("OPxyz", 4))
-    assert stream.stopped(0) and not stream.finished(0)
+    assert stream.ends == [(0, "stop")] and not stream.finished(0)  # the decision, once
     out += stream.on_delta(0, CandidateDelta("late", 5))  # in flight: ignored
+    assert stream.ends == [(0, "stop")]
     out += stream.on_delta(1, CandidateDelta("S", 1))
     out += stream.on_finish(1, CandidateFinish("stop", "</s>", 3, 1))
     out += stream.on_finish(0, CandidateFinish("abort", None, 3, 6))
@@ -488,21 +489,29 @@ def test_best_of_without_engine_logprobs_is_a_400_naming_best_of() -> None:
     assert json.loads(plain.result())["choices"][0]["message"]["content"] == "c"
 
 
+def lost(coll: ChatCollector) -> list[int]:
+    """The best_of losers the collector announced since the last call (as the relay takes
+    them from ``ends``)."""
+    out = [j for j, cause in coll.ends if cause == "best_of"]
+    coll.ends.clear()
+    return out
+
+
 def test_best_of_losers_and_tie_on_index() -> None:
     valid = chat(1, best_of=3, stream=False)
     coll = ChatCollector(valid, response_id="chatcmpl-req", model="m", created=CREATED)
     coll.on_delta(0, CandidateDelta("a", 1, [TokenLogprob("a", 1, -1.0)]))
     coll.on_delta(1, CandidateDelta("b", 1, [TokenLogprob("b", 1, -0.2)]))
     coll.on_delta(2, CandidateDelta("c", 1, [TokenLogprob("c", 1, -0.5)]))
-    assert coll.losers() == []
+    assert lost(coll) == []
     coll.on_finish(2, CandidateFinish("stop", None, 3, 1))
-    assert coll.losers() == [0]  # -1.0 can never beat a finished -0.5
-    assert coll.losers() == []  # reported once
+    assert lost(coll) == [0]  # -1.0 can never beat a finished -0.5
+    assert lost(coll) == [] and coll.losers() == []  # reported once
     coll.on_finish(0, CandidateFinish("abort", None, 3, 1))
     coll.on_delta(1, CandidateDelta("b", 2, [TokenLogprob("b", 2, -0.3)]))
-    assert coll.losers() == []  # -0.5 ties the finished -0.5, and index 1 < 2 wins a tie
+    assert lost(coll) == []  # -0.5 ties the finished -0.5, and index 1 < 2 wins a tie
     coll.on_delta(1, CandidateDelta("b", 3, [TokenLogprob("b", 3, -0.01)]))
-    assert coll.losers() == [1]
+    assert lost(coll) == [1]
     coll.on_finish(1, CandidateFinish("abort", None, 3, 2))
     (c,) = json.loads(coll.result())["choices"]
     assert c["message"]["content"] == "c"
@@ -512,7 +521,7 @@ def test_best_of_losers_and_tie_on_index() -> None:
 @pytest.mark.parametrize("seed", range(3))
 def test_best_of_128_every_candidate_finishing_in_one_step(n: int, seed: int) -> None:
     """best_of at its bound (128), 4-token candidates, driven as the relay drives it: the
-    losers are asked for after every event; a named loser whose engine finish is already in
+    losers are announced after every event; a named loser whose engine finish is already in
     flight gets that finish, the others a local abort finish (the relay's ``_settle``) after
     whatever of theirs was already queued. Every candidate's last token and finish arrive in
     the same step, in a random order. The body returns the top ``n``, never a named loser."""
@@ -522,8 +531,10 @@ def test_best_of_128_every_candidate_finishing_in_one_step(n: int, seed: int) ->
     score = [-((k * 37) % 128) / 64 for k in range(128)]  # per token; distinct per candidate
     queue: list[tuple[int, CandidateDelta | CandidateFinish]] = []
     for t in range(3):  # the first three tokens, interleaved
-        step = [(k, CandidateDelta(f"c{k}t{t}", t + 1, [TokenLogprob("x", 1, score[k])]))
-                for k in range(128)]
+        step = [
+            (k, CandidateDelta(f"c{k}t{t}", t + 1, [TokenLogprob("x", 1, score[k])]))
+            for k in range(128)
+        ]
         rng.shuffle(step)
         queue += step
     last: list[tuple[int, CandidateDelta | CandidateFinish]] = []
@@ -538,7 +549,7 @@ def test_best_of_128_every_candidate_finishing_in_one_step(n: int, seed: int) ->
             coll.on_finish(k, ev)
         else:
             coll.on_delta(k, ev)
-        for j in coll.losers():
+        for j in lost(coll):
             assert j not in named and not coll.finished(j)
             named.add(j)
             # Its task is cancelled: what it queued already still arrives; if the engine's
@@ -562,7 +573,7 @@ def test_best_of_equal_n_keeps_order() -> None:
     coll = ChatCollector(valid, response_id="x", model="m", created=CREATED)
     feed_all(coll, {0: [("a", -5.0)], 1: [("b", -0.5)]})
     assert [c["message"]["content"] for c in json.loads(coll.result())["choices"]] == ["a", "b"]
-    assert coll.losers() == []
+    assert lost(coll) == []
 
 
 # ---------------------------------------------------------------- legacy completions
@@ -597,7 +608,7 @@ def test_completion_stream_stop() -> None:
     out = bytearray(s.start())
     out += s.on_delta(0, CandidateDelta("ab#", 2))
     out += s.on_delta(0, CandidateDelta("#cd", 3))
-    assert s.stopped(0)
+    assert s.ends == [(0, "stop")]
     out += s.on_finish(0, CandidateFinish("abort", None, 5, 4))
     out += s.end()
     chunks = decode(bytes(out))[:-1]
@@ -660,7 +671,7 @@ def test_a_token_of_text_is_framed_as_its_choice_struct_would_be(include_usage: 
     and ``on_delta`` sends it for a plain delta."""
     streams = [
         ChatStream(chat(4, include_usage=include_usage), response_id="r", model="m", created=1),
-        CompletionStream(completion(), response_id="r\"", model="m\u00e9", created=CREATED),
+        CompletionStream(completion(), response_id='r"', model="m\u00e9", created=CREATED),
     ]
     for s in streams:
         s.start()

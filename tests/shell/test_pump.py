@@ -27,8 +27,9 @@ import trio
 import trio.testing
 
 from engine.fake import FakeEngine, Fault, Plan
-from sieproxy import hypercorn_io, relay
+from sieproxy import hypercorn_io
 from sieproxy.core.sglang import Express
+from sieproxy.merge import Merger
 from sieproxy.pump import Pump
 
 from .harness import MODEL, Gateway, host_port, running_gateway, sse_events
@@ -469,7 +470,7 @@ async def test_a_shaper_bug_while_carried_ends_with_an_error_event(
 ) -> None:
     """A bug in the step that shapes a token (the general merge or the express lane, whichever
     takes it) ends the stream with an error event, after what went before it."""
-    merge, express = relay.GenerationBody._merge, Express.relay
+    merge, express = Merger.merge, Express.relay
     calls = 0
 
     def step() -> None:
@@ -478,7 +479,7 @@ async def test_a_shaper_bug_while_carried_ends_with_an_error_event(
         if calls == 6:
             raise RuntimeError("shaper bug")
 
-    def failing_merge(self: relay.GenerationBody, events: Any) -> bytes:
+    def failing_merge(self: Merger, events: Any) -> bytes:
         step()
         return merge(self, events)
 
@@ -486,7 +487,7 @@ async def test_a_shaper_bug_while_carried_ends_with_an_error_event(
         step()
         return express(self, data)
 
-    monkeypatch.setattr(relay.GenerationBody, "_merge", failing_merge)
+    monkeypatch.setattr(Merger, "merge", failing_merge)
     monkeypatch.setattr(Express, "relay", failing_express)
     engine = FakeEngine(script=faulty(Plan(TOKENS, itl=0.03)))
     async with running_gateway(engine) as gw:

@@ -19,6 +19,8 @@ import pytest
 import trio
 import trio.testing
 
+from sieproxy.attempt import Attempt
+from sieproxy.candidate import Candidate
 from sieproxy.core.errors import EngineTimeout, EngineTruncated
 from sieproxy.core.events import CandidateDelta, CandidateFinish
 from sieproxy.core.merger import ChatStream
@@ -28,9 +30,12 @@ from sieproxy.settings import EngineSpec, GatewaySettings
 from tests.core.test_merger import CREATED, chat, decode
 
 
-def make_body(k: int, client: Any = None) -> GenerationBody:
+def make_body(k: int, client: Any = None, *, incremental: bool = False) -> GenerationBody:
+    """A body of ``k`` candidates on one replica; ``incremental``: the engine sends text
+    deltas (what its reader expects)."""
     g = GatewaySettings()
     pool = ModelPool("m", [EngineSpec(url="http://127.0.0.1:9")], g)
+    pool.replicas[0].incremental = incremental
     shaper = ChatStream(chat(), response_id="chatcmpl-x", model="m", created=CREATED)
     body = GenerationBody(
         g=g,
@@ -57,7 +62,7 @@ def body_with_channel() -> tuple[GenerationBody, trio.MemorySendChannel]:  # typ
 
 async def test_an_error_behind_deltas_does_not_drop_them() -> None:
     body, send = body_with_channel()
-    shaper = body._shaper
+    shaper = body._m.shaper
     head = shaper.start()
     send.send_nowait((0, CandidateDelta(" w0", 1)))
     send.send_nowait((0, CandidateDelta(" w1", 2)))
@@ -74,7 +79,7 @@ async def test_an_error_behind_deltas_does_not_drop_them() -> None:
 
 async def test_deltas_drained_together_are_one_write() -> None:
     body, send = body_with_channel()
-    body._shaper.start()
+    body._m.shaper.start()
     for i in range(5):
         send.send_nowait((0, CandidateDelta(f" t{i}", i + 1)))
     frames = await body.__anext__()
@@ -112,9 +117,19 @@ class _OneFinishThenCancelled:
         self._reads += 1
         if self._reads == 1:
             return _last_chunk()
-        self._body._cancel(0, self._cause)
+        self._body._up.end(0, self._cause)
         await trio.lowlevel.checkpoint()  # raises Cancelled
         return b""
+
+
+def one_candidate(body: GenerationBody, client: Any) -> Attempt:
+    """The body's attempt, reading through ``client``, with one candidate task to run."""
+    up = body._up
+    up.client = client
+    c = Candidate(0, up.reader())
+    c.scope = trio.CancelScope()
+    up.reset([c])
+    return up
 
 
 class _Client:
@@ -140,12 +155,9 @@ async def test_a_cancel_after_the_engine_finished_sends_one_finish(cause: str) -
     second, local finish; the choice then failed with "got finish while finished" (a 500)."""
     body, _ = body_with_channel()
     client = _Client(_OneFinishThenCancelled(body, cause))
-    body._client = client  # type: ignore[assignment]
-    body._scopes = [trio.CancelScope()]
-    body._terminal = [False]
-    body._causes = [None]
+    up = one_candidate(body, client)
     send, recv = trio.open_memory_channel(8)  # type: ignore[var-annotated]
-    await body._candidate(0, send)
+    await up.run(0, send)
     events = []
     async with recv:
         async for ev in recv:
@@ -177,17 +189,15 @@ async def test_a_cancel_while_queueing_the_engines_finish_still_delivers_it(caus
     engine's finish dropped that finish; the choice never finished."""
     body, _ = body_with_channel()
     client = _Client(_FinishThenSilence())
-    body._client = client  # type: ignore[assignment]
-    body._scopes = [trio.CancelScope()]
-    body._reset_candidates()
+    up = one_candidate(body, client)
     send, recv = trio.open_memory_channel(0)  # type: ignore[var-annotated]
     events: list[Any] = []
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(body._candidate, 0, send)
+        nursery.start_soon(up.run, 0, send)
         await trio.testing.wait_all_tasks_blocked()  # parked queueing the delta: nobody reads
         events.append((await recv.receive())[1])  # the delta; then parked on the finish
         await trio.testing.wait_all_tasks_blocked()
-        body._cancel(0, cause)  # the merger names it a loser, in that very step
+        up.end(0, cause)  # the merger names it a loser, in that very step
         async with recv:
             async for ev in recv:
                 events.append(ev[1])
@@ -242,11 +252,10 @@ class _Scripted:
 
 def inline_body(reads: list[bytes], **shaper_kw: Any) -> tuple[GenerationBody, _Client]:
     client = _Client(_Scripted(reads))  # type: ignore[arg-type]
-    body = make_body(1, client)
-    body.replica.incremental = True  # the scripted texts are deltas
+    body = make_body(1, client, incremental=True)  # the scripted texts are deltas
     if shaper_kw:
-        body._shaper = ChatStream(
-            chat(**shaper_kw), response_id="chatcmpl-x", model="m", created=CREATED
+        body._m.reshape(
+            ChatStream(chat(**shaper_kw), response_id="chatcmpl-x", model="m", created=CREATED)
         )
     return body, client
 
@@ -282,7 +291,8 @@ class _AlwaysReady(_Scripted):
     def receive_nowait(self) -> bytes | None:
         self.n += 1
         if self.n == 3:  # the request deadline passes while tokens keep coming
-            self.body._deadline = trio.current_time() - 1
+            assert self.body._il is not None
+            self.body._il.deadline = trio.current_time() - 1
         assert self.n < 50, "the deadline was never checked"
         return sse(f" t{self.n}", self.n)
 
@@ -443,15 +453,15 @@ async def test_inline_gap_does_not_count_a_blocked_client_write(
     gap = 10.0
     t0 = trio.current_time()
     resp = _Timed([(t0, sse(" a", 1)), (t0 + 18, sse(" b", 2)), (t0 + 40, sse(" c", 3))])
-    body = make_body(1, _Client(resp))
-    body.replica.incremental = True
+    body = make_body(1, _Client(resp), incremental=True)
     body._g.token_gap_timeout = gap
     async with trio.open_nursery() as nursery:
         if with_timer:
             timer = WaitTimer()
             nursery.start_soon(timer.run)
             await trio.testing.wait_all_tasks_blocked()
-            body._timer = timer
+            assert body._il is not None
+            body._il.timer = timer
         async with body:
             assert contents(decode(await body.prime())) == " a"
             await body.client_write(_blocked_write(15))  # the client does not read meanwhile

@@ -7,6 +7,7 @@ cancel scope it replaces."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,7 +15,8 @@ import trio
 import trio.testing
 
 from engine.fake import FakeEngine, Fault, Plan
-from sieproxy.relay import GenerationBody, WaitTimer, _Inline
+from sieproxy.inline import InlineReader
+from sieproxy.relay import WaitTimer
 
 from .harness import running_gateway
 from .test_faults import (
@@ -122,17 +124,15 @@ class _Resp:
         self.closed = True
 
 
-def _due_body(waiting: bool) -> tuple[GenerationBody, _Inline, _Resp]:
-    """A body whose inline reader has a timer entry; its engine last sent bytes at 0, gap 1 s."""
-    body = GenerationBody.__new__(GenerationBody)
-    body._deadline = 100.0
-    body._pump = None
-    body._g = type("G", (), {"token_gap_timeout": 1.0})()  # type: ignore[assignment]
+def _due_reader(waiting: bool) -> tuple[InlineReader, _Resp]:
+    """An inline reader with a timer entry; its engine last sent bytes at 0, gap 1 s."""
+    g = SimpleNamespace(token_gap_timeout=1.0)
+    att = SimpleNamespace(g=g, stats=None, deadline=100.0, reader=lambda: None)
+    il = InlineReader(att, None, clock=trio.current_time, timer=None, pump=None)  # type: ignore[arg-type]
     resp = _Resp()
-    il = _Inline(resp=resp, last=0.0, waiting=waiting)  # type: ignore[arg-type]
-    il.holder = [body]
-    body._il = il
-    return body, il, resp
+    il.resp, il.last, il.waiting = resp, 0.0, waiting  # type: ignore[assignment]
+    il.holder = [il]
+    return il, resp
 
 
 @pytest.mark.parametrize("waiting", [True, False], ids=["waiting", "between-reads"])
@@ -142,10 +142,10 @@ def test_an_entry_due_after_its_limit_is_dropped_and_the_next_wait_re_arms(
     """Limit passed: a waiting reader's connection is closed under it; a reader between reads
     (processing, or writing to its client) is left alone, and its entry is gone, so its next
     wait arms a new one (which is due at once). A limit that moved later is re-armed."""
-    body, il, resp = _due_body(waiting)
-    assert body.timer_due(0.5) == 1.0  # the limit is still ahead: re-armed there
+    il, resp = _due_reader(waiting)
+    assert il.timer_due(0.5) == 1.0  # the limit is still ahead: re-armed there
     assert il.holder is not None and not resp.closed
-    assert body.timer_due(1.5) is None
+    assert il.timer_due(1.5) is None
     assert il.holder is None, "the reader would never arm again: a later hang not timed out"
     assert resp.closed is waiting and il.fired is waiting
 

@@ -617,12 +617,12 @@ async def test_a_mounted_gateway_serves_generation_under_its_root_path(
 async def test_an_unexpected_failure_before_the_response_is_a_500_envelope(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import sieproxy.app
+    import sieproxy.generation
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a bug in planning")
 
-    monkeypatch.setattr(sieproxy.app, "build_chat", broken)
+    monkeypatch.setattr(sieproxy.generation, "build_chat", broken)
     caplog.set_level("INFO", logger="sieproxy.access")
 
     def log_on(settings: Settings) -> None:

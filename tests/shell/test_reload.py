@@ -12,7 +12,8 @@ import pytest
 import trio
 
 from engine.fake import FakeEngine
-from sieproxy.serve import _reload_on_sighup, reload_settings
+from sieproxy.lifecycle import reload_on_sighup
+from sieproxy.serve import reload_settings
 from sieproxy.settings import ConfigError, Settings
 
 from .harness import MODEL, TEMPLATE, Gateway, running_gateway
@@ -98,7 +99,7 @@ async def test_sighup_reloads(tmp_path: Path) -> None:
             path = write_config(tmp_path / "s.toml", gw, [0], 'auth = true\ntokens = ["tok-2"]\n')
             before = gw.state.auth
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_reload_on_sighup, gw.state, path)
+                nursery.start_soon(reload_on_sighup, gw.state, path)
                 await trio.sleep(0.1)  # the signal receiver is installed
                 os.kill(os.getpid(), signal.SIGHUP)
                 await wait_until(lambda: gw.state.auth is not before)

@@ -39,7 +39,7 @@ best_of (non-streaming only): every candidate is collected; after each event the
 announces in ``ends`` the unfinished candidates that can no longer be returned
 (:meth:`ChatCollector.losers`, ``(index, "best_of")``) so the shell can abort them; the result
 keeps the top ``n`` by cumulative logprob, re-indexed ``0..n-1``, and carries logprobs only if
-the client asked for them. A candidate that finishes with tokens but without a single logprob
+the client asked for them. A candidate that finishes with text but without a single logprob
 (an engine that accepts ``logprobs`` and returns none, as some OpenAI-compatible servers do)
 cannot be ranked: :meth:`ChatCollector.on_finish` raises the client's 400 naming ``best_of``
 (``core.refusal.best_of_without_logprobs``) rather than rank unscored candidates by chance.
@@ -542,20 +542,24 @@ class ChatCollector(_CollectorBase):
         ]
         self._lost: set[int] = set()
         self._ranks = valid.candidates > valid.n  # best_of: the logprobs decide
-        self._scored: set[int] = set()  # best_of: candidates that got a logprob
+        # best_of: the candidates whose output reached the collector, and those of them that
+        # came with a logprob (a candidate ended early may have had no output shown here).
+        self._fed: set[int] = set()
+        self._scored: set[int] = set()
 
     def on_delta(self, index: int, delta: CandidateDelta) -> None:
-        if self._ranks and delta.logprobs:
-            self._scored.add(index)
         self._choice(index).feed(delta)
         if self._ranks:
+            if delta.logprobs:
+                self._scored.add(index)
+            elif delta.text:
+                self._fed.add(index)
             self.ends.extend((j, "best_of") for j in self.losers())
 
     def on_finish(self, index: int, finish: CandidateFinish) -> None:
-        c = self._choice(index)
-        c.finish(finish)
+        self._choice(index).finish(finish)
         if self._ranks:
-            if c.completion_tokens > 0 and index not in self._scored:
+            if index in self._fed and index not in self._scored:
                 raise best_of_without_logprobs()
             self.ends.extend((j, "best_of") for j in self.losers())
 

@@ -489,6 +489,21 @@ def test_best_of_without_engine_logprobs_is_a_400_naming_best_of() -> None:
     assert json.loads(plain.result())["choices"][0]["message"]["content"] == "c"
 
 
+def test_best_of_a_loser_ended_before_its_output_arrived_needs_no_logprob() -> None:
+    """Regression (the fault matrix under load): a candidate named a best_of loser before any
+    of its output reached the collector (a finished candidate already scores 0.0, which it can
+    only tie, on a higher index) gets the finish its engine sent while the loss was decided,
+    its deltas dropped; it counts tokens, but nothing of it was shown or ranked, so it is no
+    sign of an engine without logprobs (no 400)."""
+    valid = chat(1, best_of=2, stream=False)
+    coll = ChatCollector(valid, response_id="x", model="m", created=CREATED)
+    coll.on_delta(0, CandidateDelta("a", 1, [TokenLogprob("a", 1, 0.0)]))
+    coll.on_finish(0, CandidateFinish("stop", None, 3, 1))
+    assert coll.ends == [(1, "best_of")]
+    coll.on_finish(1, CandidateFinish("length", None, 3, 7))  # 7 tokens, none shown
+    assert json.loads(coll.result())["choices"][0]["message"]["content"] == "a"
+
+
 def lost(coll: ChatCollector) -> list[int]:
     """The best_of losers the collector announced since the last call (as the relay takes
     them from ``ends``)."""

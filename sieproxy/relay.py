@@ -410,6 +410,9 @@ class GenerationBody:
             raise StopAsyncIteration
         try:
             frames = await self._next_frames()
+            if frames is None:
+                self._done = True
+                return self._m.shaper.end()
         except GatewayError as exc:
             self._done = True
             self._up.end_all("error")
@@ -422,7 +425,4 @@ class GenerationBody:
             err = InternalError("The gateway failed while relaying this response.")
             self.stats.error = err
             return self._m.shaper.on_error(err)
-        if frames is None:
-            self._done = True
-            return self._m.shaper.end()
         return frames

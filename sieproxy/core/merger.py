@@ -347,10 +347,11 @@ class _StreamBase:
         return b"data: " + _enc.encode(err.envelope()) + b"\n\n" + DONE_FRAME
 
     def end(self) -> bytes:
-        """Every choice finished: the usage chunk (if asked for), then ``[DONE]``."""
-        self._to(_Ev.END)
+        """Every choice finished: the usage chunk (if asked for), then ``[DONE]``. Raised
+        before anything changes otherwise, so the stream can still end with an error event."""
         if not all(c.finished for c in self.choices):
             raise MergerError("Internal error: stream ended before every choice finished.")
+        self._to(_Ev.END)
         if not self.include_usage:
             return DONE_FRAME
         usage = _enc.encode(_usage(self.choices, self.choices))

@@ -159,7 +159,9 @@ class OpenAIReader:
             raise EngineMalformed()
         if payload == "[DONE]":
             self.done = True
-            if self._finish is not None and not self._finished:
+            if self._finish is None:  # the stream ended without the candidate's finish
+                raise EngineTruncated("The engine ended the stream before the generation finished.")
+            if not self._finished:
                 self._finished = True
                 out.append(self._finish)
             return

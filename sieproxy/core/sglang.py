@@ -38,6 +38,7 @@ Errors (all messages are the gateway's own; engine text is never echoed):
     (a 4xx of either also carries ``refusal``: its text classified by ``core.refusal``)
     abort with null status_code      CandidateFinish(reason="abort")
     bad JSON / shape / types         EngineMalformed
+    [DONE] before the terminal chunk EngineTruncated
     EOF before [DONE]                EngineTruncated — unless the terminal chunk was already
                                      seen: SGLang always sends [DONE] after it, but a finished
                                      candidate is complete, so EOF then is accepted.
@@ -276,6 +277,8 @@ class GenerateReader:
             raise EngineMalformed()
         if payload == "[DONE]":
             self.done = True
+            if not self._finished:  # the stream ended without the candidate's finish
+                raise EngineTruncated("The engine ended the stream before the generation finished.")
             return None, None
         if self._finished:
             raise EngineMalformed()

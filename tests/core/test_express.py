@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, seed
 from hypothesis import strategies as st
 
-from sieproxy.core.errors import GatewayError
+from sieproxy.core.errors import EngineTruncated, GatewayError
 from sieproxy.core.merger import ChatStream, CompletionStream
 from sieproxy.core.sglang import Express, GenerateReader
 from sieproxy.core.sse import SSEDecoder
@@ -362,6 +362,13 @@ def _broken(lane: Lane) -> None:
         lane.decoder.feed(b"data: " + b"x" * (lane.decoder.max_line + 1) + b"\n")
 
 
+def _past_done(lane: Lane) -> None:
+    """The reader read ``[DONE]`` (early here: it says the stream was cut, and is done)."""
+    with pytest.raises(EngineTruncated):
+        lane.reader.feed("[DONE]")
+    assert lane.reader.done
+
+
 def _finished_reader(lane: Lane) -> None:
     fin = _payload("", 2)
     fin["meta_info"]["finish_reason"] = {"type": "length", "length": 2}
@@ -401,7 +408,7 @@ def test_it_declines_before_the_stream_started() -> None:
         pytest.param(lambda lane: lane.decoder.feed(b": c\r"), id="a CR waits for its LF"),
         pytest.param(lambda lane: lane.decoder.feed(b"data: {"), id="a partial line"),
         pytest.param(_broken, id="the decoder failed"),
-        pytest.param(lambda lane: lane.reader.feed("[DONE]"), id="after [DONE]"),
+        pytest.param(_past_done, id="after [DONE]"),
         pytest.param(_finished_reader, id="the reader finished"),
         pytest.param(lambda lane: lane.shaper.choices[0].fail(), id="the choice failed"),
         pytest.param(lambda lane: lane.shaper.on_error(GatewayError("x")), id="stream closed"),

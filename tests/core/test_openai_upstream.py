@@ -94,6 +94,15 @@ def test_reader_without_usage_finishes_at_done() -> None:
     assert events[-1].completion_tokens == 1
 
 
+def test_done_before_the_finish_is_a_truncated_stream() -> None:
+    """Regression (llama.cpp's server cuts a stream when another request arrives, unless told
+    not to): ``[DONE]`` with no ``finish_reason`` read is a truncated stream, not an end."""
+    r = OPENAI.reader(incremental=False, max_line=1 << 16)
+    events, err = r.feed(chunk("a", None) + sse(b"[DONE]"))
+    assert [e.text for e in events if isinstance(e, CandidateDelta)] == ["a"]
+    assert isinstance(err, EngineTruncated) and r.done
+
+
 def test_reader_logprobs() -> None:
     r = OPENAI.reader(incremental=False, max_line=1 << 16)
     lp = {"tokens": ["a", "b"], "token_logprobs": [-0.5, None],

@@ -361,9 +361,21 @@ def test_anything_after_finish_or_done_is_malformed() -> None:
     with pytest.raises(EngineMalformed):
         r.feed(chunk("xy", completion_tokens=2))
     r2 = GenerateReader()
+    r2.feed(chunk("x", completion_tokens=1, finish_reason={"type": "length", "length": 1}))
     r2.feed("[DONE]")
     with pytest.raises(EngineMalformed):
         r2.feed("[DONE]")
+
+
+def test_done_before_the_finish_is_a_truncated_stream() -> None:
+    """Regression (an OpenAI-compatible server that cut a stream, found through llama.cpp's):
+    ``[DONE]`` with no finish read ended the candidate with neither a finish nor an error, and
+    the response failed at its end. It is a truncated stream, an error the client is told."""
+    r = GenerateReader()
+    r.feed(chunk("x", completion_tokens=1))
+    with pytest.raises(EngineTruncated):
+        r.feed("[DONE]")
+    assert r.done
 
 
 def test_unknown_keys_are_tolerated() -> None:

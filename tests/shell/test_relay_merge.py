@@ -77,6 +77,22 @@ async def test_an_error_behind_deltas_does_not_drop_them() -> None:
     assert body.stats.error is not None
 
 
+async def test_a_stream_that_ends_with_a_choice_unfinished_ends_with_an_error_event() -> None:
+    """Regression (found through llama.cpp's server): the channel closed while a choice had no
+    finish, and the shaper's end raised outside the body's error handling: the response was
+    cut without an error event. It now ends with ``internal_error`` and ``[DONE]``."""
+    body, send = body_with_channel()
+    body._m.reshape(ChatStream(chat(2), response_id="chatcmpl-x", model="m", created=CREATED))
+    head = body._m.shaper.start()
+    send.send_nowait((0, CandidateDelta(" w0", 1)))
+    send.send_nowait((0, CandidateFinish("stop", None, 3, 1)))
+    send.close()  # candidate 1 never finished
+    frames = head + await body.__anext__()
+    tail = decode(await body.__anext__())
+    assert tail[0]["error"]["code"] == "internal_error" and tail[-1] == "[DONE]"
+    assert body.done and decode(frames)
+
+
 async def test_deltas_drained_together_are_one_write() -> None:
     body, send = body_with_channel()
     body._m.shaper.start()

@@ -260,6 +260,9 @@ async def test_openai_mode_names_a_request_by_name_request(nursery: trio.Nursery
                 async with client.stream("POST", "/v1/completions", json=body) as resp:
                     assert resp.status_code == 200
                     await resp.aread()
+            # The engine records a request finished after its last write: the client can read
+            # the whole body first.
+            await engine.wait_for(lambda: len(engine.finished) == 2)
     assert seen[0] == "first-3" and seen[1].startswith("cmpl-")
     assert engine.finished == seen
 

@@ -1,20 +1,15 @@
 """Engine replicas of each model: readiness, circuit breaking, routing and admission.
 
-Routing, for one request (all its candidates go to one replica, which shares the prompt's
-prefix cache):
-
+Routing, for one request (all its candidates go to one replica and its prefix cache):
 1. Candidates are the *ready* replicas whose labels match the request's ``X-SIE-Pool`` /
    ``X-SIE-MACHINE-PROFILE`` (absent header = any).
 2. The model's ``routing`` picks the affinity key: ``prefix`` (default) — ``routing_key``, else
    ``prompt_cache_key``, else the prompt's prefix key (:mod:`sieproxy.core.affinity`);
    ``key_only`` — the two client keys only; ``least_loaded`` — none.
-3. With a key, replicas are ranked by rendezvous hashing on it, and the first one whose load
-   stays within ``bound × (mean load + 1)`` — and below the engine's running batch
-   (``max_running_requests`` of its ``/server_info``, when given), so affinity never queues a
-   request behind a full batch while another replica has a free slot — is chosen (consistent
-   hashing with bounded loads): repeat prefixes reach a warm cache but one hot key cannot
-   overload a replica. The ranking depends only on the key and the replica URLs: every gateway
-   process picks the same replica.
+3. With a key, replicas are ranked by rendezvous hashing on it; the first one whose load stays
+   within ``bound × (mean load + 1)`` and below the engine's running batch (its
+   ``max_running_requests``, when given) is chosen: repeat prefixes reach a warm cache, one hot
+   key cannot overload a replica, and every gateway process picks the same replica.
 4. Otherwise the least loaded replica wins (ties: fewest own candidates, then fewest total).
 
 Load: a replica's load is the gateway's own outstanding candidates there, unless the engine
@@ -22,24 +17,20 @@ reports its own. The health watcher reads it after each passing check and every
 ``load_interval`` between checks (SGLang's ``/v1/loads``, else the older ``/get_load``: running
 + waiting requests, over its data-parallel ranks); between two reads the load is the engine's
 figure plus the change in this process's own count since the read (never less than the own
-count). So several gateway processes sharing a fleet balance on the engine's real queue; an
-engine that reports nothing is balanced on the process's counts.
+count), so gateway processes sharing a fleet balance on the engine's real queue.
 
 Admission: a replica holds at most ``replica_max_inflight`` candidates. When every matching
 replica is full the request waits (bounded by ``admission_wait``), then gets 503 + Retry-After.
 
-Health: a background task per replica polls ``/health`` (and ``/server_info`` once, to learn the
-text mode, and — for the embedded engine — to check its per-launch token after every outage).
-A failed check takes a replica out until a check passes again. Requests failing
-with a server-side error ``breaker_failures`` times in a row open its circuit breaker: the
-replica is out for a backoff that doubles on each further opening up to ``breaker_backoff_max``
-(a successful request resets the streak and the backoff; client errors, 4xx, never count).
-Passing health checks do not reset the streak, but a check that *started after* the breaker
-opened and passes closes it at once, half-open: the next failed request opens it again (for the
-doubled backoff), a successful one closes it for good. So the backoff bounds the time out only
-while the checks fail or hang; a replica whose ``/health`` passes is retried within one
-``health_interval``, at the cost of one failed request (retried on another replica) while its
-requests keep failing.
+Health: a background task per replica polls ``/health`` (and ``/server_info`` once, for the
+text mode and the embedded engine's per-launch token). A failed check takes a replica out until
+a check passes again. ``breaker_failures`` server-side request failures in a row open its
+circuit breaker: the replica is out for a backoff that doubles on each further opening up to
+``breaker_backoff_max`` (a successful request resets streak and backoff; 4xx never count). A
+passing health check that *started after* the breaker opened closes it, half-open: the next
+failed request opens it again for the doubled backoff, a successful one closes it for good. So
+a replica whose ``/health`` passes is retried within one ``health_interval``, at the cost of
+one failed request (retried on another replica) while its requests keep failing.
 """
 
 from __future__ import annotations

@@ -1,44 +1,33 @@
 """The per-request body: one nursery, one task per candidate, one merger (``n`` = 1: inline).
 
-Theory of operation
--------------------
-A :class:`GenerationBody` is the response body of a generation request: the request only — its
-nursery and channel, the merge loop, the retry before the first byte, and the end. Its
-candidates and how each one is opened, read, aborted and settled are an
-:class:`~sieproxy.attempt.Attempt` on one replica (a candidate's state table and the token step
-every driver uses: ``sieproxy.candidate``). The HTTP layer (``sieproxy.generation``) enters the body
-(``__aenter__`` opens the request's nursery), may call :meth:`~GenerationBody.open` (which sends
-the engine requests at once, so that writing the response head overlaps the engine's work),
-then calls :meth:`~GenerationBody.prime`, which waits for the first upstream event:
-
-* if the engine failed before producing anything, ``prime`` raises the error and the status line
-  carries it (503 + Retry-After, 400, 500, ...) — after one retry on another ready replica when
-  the failure is a server-side one that came without waiting (an engine that could not be
-  reached, an error status, a broken connection); never after a timeout (504): an engine that
-  took the request and then stayed silent for the token gap has reached a model, and a retry
-  would make the client wait for the gap a second time; then on the model's fallbacks, each
-  once (another model or pool: ``sieproxy.fallback``, whose plan replaces the body's);
-* otherwise the status is 200 and the body streams (or, for non-streaming requests, ``prime``
-  collects the whole answer first and the body is one JSON document).
+A :class:`GenerationBody` is the response body of a generation request, and the request only:
+its nursery and channel, the merge loop, the retry before the first byte, and the end. Its
+candidates are an :class:`~sieproxy.attempt.Attempt` on one replica (each candidate's state
+table and the token step every driver uses: ``sieproxy.candidate``). The HTTP layer
+(``sieproxy.generation``) enters the body, may call :meth:`~GenerationBody.open` (the engine
+requests go out at once, so writing the response head overlaps the engine's work), then calls
+:meth:`~GenerationBody.prime`, which waits for the first upstream event. If the engine failed
+before producing anything, ``prime`` raises the error for the status line (503 + Retry-After,
+400, 500, ...), after one retry on another ready replica when the failure came without waiting
+(unreachable, an error status, a broken connection; never a timeout: that engine reached a
+model, and the client would wait for the gap twice), then on the model's fallbacks, each once
+(``sieproxy.fallback``). Otherwise the status is 200 and the body streams (non-streaming: the
+whole answer is collected first).
 
 ``n`` > 1 (or best_of): one task per candidate (:meth:`~sieproxy.attempt.Attempt.run`)
-streams its engine response through the token step into its ``clone()`` of a *bounded*
-channel. The merger runs in the response task itself (``__anext__``): it receives one event,
-drains whatever else is already buffered (coalescing frames that arrive together into one
-write), feeds the sans-IO shaper and returns the encoded frames. A slow client therefore stalls
-``__anext__``, which stalls the channel, which stalls the candidates, which stop reading
-upstream: backpressure end to end, with no buffer growing.
+streams into its ``clone()`` of a *bounded* channel. The merger runs in the response task
+(``__anext__``): one event, plus whatever else is already buffered, becomes one write. A slow
+client stalls ``__anext__``, which stalls the channel, which stalls the candidates, which stop
+reading upstream: backpressure end to end, with no buffer growing. ``n`` = 1: no nursery, task
+or channel; the response task reads its candidate itself (``sieproxy.inline``), and the relay
+pump may relay its tokens while the task waits (``sieproxy.pump``).
 
-``n`` = 1: no nursery, task or channel; the response task reads its single candidate itself
-between two client writes (``sieproxy.inline``), and the relay pump may relay its tokens while
-the task waits (``sieproxy.pump``).
-
-The shaper's decisions come back as values (``Shaper.ends``: stop candidate ``i``, ``j`` lost
-best_of), and the merger ends those candidates (``sieproxy.merge``). A stalled client write
-(``sieproxy.timers``), the gateway's shutdown, the client leaving and the end of the response
-end the rest. Every candidate that ends without a terminal event from its engine is aborted
-exactly once (``sieproxy.attempt``); ``__aexit__`` cancels what is still running and waits for
-the nursery, so nothing outlives the request.
+The shaper's decisions come back as values (``Shaper.ends``), and the merger ends those
+candidates (``sieproxy.merge``). A stalled client write (``sieproxy.timers``), the gateway's
+shutdown, the client leaving and the end of the response end the rest. Every candidate that
+ends without a terminal event from its engine is aborted exactly once (``sieproxy.attempt``);
+``__aexit__`` cancels what is still running and waits for the nursery, so nothing outlives the
+request.
 """
 
 from __future__ import annotations
@@ -163,8 +152,7 @@ class GenerationBody:
 
     @property
     def replica(self) -> Replica:
-        """The replica the request runs on (a retry switches only after every candidate
-        ended)."""
+        """The replica the request runs on (a retry switches after every candidate ended)."""
         return self._up.replica
 
     # ------------------------------------------------------------------ lifecycle
@@ -207,8 +195,7 @@ class GenerationBody:
             self._held = 0
 
     def _launch(self, sent: Sequence[Exchange | Exception] = ()) -> None:
-        """Start the candidates' tasks; ``sent[i]``: candidate ``i``'s request as ``open()``
-        sent it (or why it could not), else the task sends it."""
+        """Start the candidates' tasks (``sent``: the requests ``open()`` sent, or why not)."""
         assert self._nursery is not None
         send, self._recv = trio.open_memory_channel[Event](self._g.channel_size)
         self._up.launch(self._nursery, send, sent)
@@ -233,19 +220,16 @@ class GenerationBody:
         return len(sent) == self._k and not any(isinstance(x, Exception) for x in sent)
 
     def carry(self, out: Outlet) -> None:
-        """The response head is out and ``out`` can write the body's chunks from another task:
-        while the response task waits for the engine, the relay pump may relay them (``n`` = 1
-        only, and only with a pump)."""
+        """The response head is out: the relay pump may write the body's chunks through ``out``
+        while the response task waits (``n`` = 1, with a pump)."""
         if self._il is not None:
             self._il.carry(out, self._m.shaper)
 
     async def client_write(self, sending: Awaitable[_T]) -> _T:
-        """Await ``sending``, a write to the client, as a parked write: while it waits, the
-        stall sweeper sees since when (``writing_since``, ``check_stall``). The token gap
-        measures the engine's silence only, so an inline reader's gap clock is paused for the
-        write (its ``last`` moves later by it): the wait timer does not take a slow client for
-        a silent engine; a client that stops reading is the sweeper's to report. (Candidate
-        tasks lift their gap while their channel is full instead.)"""
+        """Await ``sending``, a write to the client, as a parked write (the stall sweeper sees
+        since when). The token gap measures the engine's silence only: an inline reader's gap
+        clock is paused for the write (candidate tasks lift their gap while their channel is
+        full instead)."""
         now = self._now  # the run's clock: cheaper than ``trio.current_time``
         since = self.writing_since = now()
         try:
@@ -258,9 +242,8 @@ class GenerationBody:
 
     # ------------------------------------------------------------------ ending from outside
     def check_stall(self, now: float) -> bool:
-        """Abort every candidate when one client write has been parked too long. True when
-        the caller must run :meth:`abort_stalled` (an inline candidate has no task to cancel:
-        its reader is the stalled response task)."""
+        """Abort every candidate when one client write has been parked too long; True when the
+        caller must run :meth:`abort_stalled` (an inline reader is the stalled task itself)."""
         since = self.writing_since
         if since is None or now - since <= self._g.client_stall_timeout or self._done:
             return False
@@ -271,16 +254,13 @@ class GenerationBody:
         return self._il is not None
 
     async def abort_stalled(self) -> None:
-        """The inline candidate of a stalled client: see ``InlineReader.abort_stalled``."""
-        if self._il is not None:
+        if self._il is not None:  # ``InlineReader.abort_stalled``
             await self._il.abort_stalled()
 
     def shut_down(self) -> None:
-        """The gateway's shutdown grace is over: end this request now. Every candidate is
-        aborted upstream, as when the client leaves, and the client gets a 503 "shutting down"
-        error — an SSE error event and ``[DONE]`` once a stream has started — instead of a cut
-        connection. An inline reader waiting for the engine is woken (its connection closed, as
-        the wait timer does); one busy relaying stops at its next wait."""
+        """The shutdown grace is over: every candidate is aborted, and the client gets a 503
+        "shutting down" (on a started stream an error event and ``[DONE]``), not a cut. An
+        inline reader waiting for the engine is woken; one relaying stops at its next wait."""
         if not self.entered or self._done:
             return
         self._up.end_all("shutdown")
@@ -318,11 +298,8 @@ class GenerationBody:
 
     # ------------------------------------------------------------------ the first event
     async def prime(self) -> bytes:
-        """Wait for the first upstream event (streaming) or the whole answer (not streaming).
-
-        Raises the error that decides the status line if the engine failed before any byte went
-        to the client; retries once on another ready replica when that error is retryable.
-        """
+        """Wait for the first upstream event (streaming) or the whole answer; raises the error
+        for the status line, after the retry and the fallbacks (the module docstring)."""
         retried = False
         head = self._m.shaper.start()  # role chunks; sent only if the engine answers
         while True:
@@ -339,11 +316,7 @@ class GenerationBody:
                 self._done = True
                 return out + self._m.shaper.end()
             except UpstreamError as exc:
-                # Nothing reached the client yet: a server-side failure is retried once on
-                # another ready replica, then on the model's fallbacks in order (each once); a
-                # refusal of the request itself (4xx) is not, nor a timeout: the engine took
-                # the request (a model may be working on it) and the client already waited the
-                # whole gap or its deadline for it.
+                # Nothing reached the client yet. Not retried: a refusal (4xx), a timeout.
                 if (
                     self._m.handled_any
                     or isinstance(exc, EngineTimeout)
@@ -398,8 +371,7 @@ class GenerationBody:
     # ------------------------------------------------------------------ the response
     @property
     def done(self) -> bool:
-        """Nothing more to send after what the body last returned: ``prime()``'s whole answer,
-        or a stream's last frames (``[DONE]``, or an error event and ``[DONE]``)."""
+        """Nothing more to send after what the body last returned (the answer, or ``[DONE]``)."""
         return self._done
 
     def __aiter__(self) -> GenerationBody:

@@ -137,9 +137,6 @@ class Attempt:
             else:
                 sent.append(ex)
 
-    def end(self, i: int, cause: str) -> None:
-        self.cands[i].end(cause)
-
     def end_all(self, cause: str) -> None:
         """End every candidate the engine has not ended itself."""
         for c in self.cands:

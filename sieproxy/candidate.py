@@ -31,7 +31,6 @@ from .core.protocol import CandidateReader
 __all__ = ["SHOWN", "TRANSITIONS", "Candidate", "Event", "Phase", "Step"]
 
 Event = tuple[int, CandidateDelta | CandidateFinish | GatewayError]
-_NOTHING: list[Event] = []
 
 
 class Phase(enum.Enum):
@@ -104,7 +103,7 @@ class Candidate:
         bytes are dropped (the body is read to its end so the connection is reused)."""
         reader = self.reader
         if reader.done:
-            return _NOTHING, None
+            return [], None
         events, err = reader.feed(raw)
         if reader.finished and not self.engine_done:
             self.engine_done = True
@@ -120,7 +119,3 @@ class Candidate:
             self.to(Step.STOP if cause in SHOWN else Step.CANCEL)
         if self.scope is not None:
             self.scope.cancel()
-
-    @property
-    def ended(self) -> bool:
-        return self.phase in _ENDED

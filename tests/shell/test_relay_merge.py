@@ -133,7 +133,7 @@ class _OneFinishThenCancelled:
         self._reads += 1
         if self._reads == 1:
             return _last_chunk()
-        self._body._up.end(0, self._cause)
+        self._body._up.cands[0].end(self._cause)
         await trio.lowlevel.checkpoint()  # raises Cancelled
         return b""
 
@@ -213,7 +213,7 @@ async def test_a_cancel_while_queueing_the_engines_finish_still_delivers_it(caus
         await trio.testing.wait_all_tasks_blocked()  # parked queueing the delta: nobody reads
         events.append((await recv.receive())[1])  # the delta; then parked on the finish
         await trio.testing.wait_all_tasks_blocked()
-        up.end(0, cause)  # the merger names it a loser, in that very step
+        up.cands[0].end(cause)  # the merger names it a loser, in that very step
         async with recv:
             async for ev in recv:
                 events.append(ev[1])

@@ -1,7 +1,9 @@
 """``python -m bench SUBCOMMAND``: the gateway's own cost, side by side with direct, nginx, LiteLLM.
 
-Subcommands (each writes bench/out/<time>-<name>.json, prints a Markdown summary, and rewrites
-its own section of bench/RESULTS.md plus SVG plots beside it):
+The subcommands run on fake engines they start themselves. Each prints a Markdown summary; it writes
+nothing unless asked: `--results-dir DIR` keeps the raw JSON and plots there, `--record`
+rewrites its own section of bench/RESULTS.md and the SVG plots beside it (raw JSON in
+bench/out/).
 
     relay       CPU per relayed chunk, latency, throughput: targets × n × clients × ITL, repeated
     latency     added TTFT at one client (n = 1) and n = 16 fan-out (all first tokens)
@@ -48,8 +50,41 @@ def _csv(conv):
     return lambda s: [conv(x) for x in s.split(",") if x]
 
 
+#: The targets ``--targets`` accepts (besides ``sieproxy@REV`` and ``hypercorn-wK``).
+TARGETS = ("direct", "sieproxy", "nginx", "litellm", *T.FLOORS)
+TARGETS_HELP = ("comma-separated, from: " + ", ".join(TARGETS) + ", sieproxy@REV (another "
+                "build), hypercorn-wK (K workers)")
+
+
+def _target_list(s: str) -> list[str]:
+    """``--targets``: every name must be a known target (else argparse exits 2 naming them)."""
+    names = [x for x in s.split(",") if x]
+    for n in names:
+        ok = n in TARGETS or (n.startswith("sieproxy@") and len(n) > 9) or (
+            n.startswith("hypercorn-w") and n[11:].isdigit() and int(n[11:]) > 0)
+        if not ok:
+            hint = ""
+            raise argparse.ArgumentTypeError(
+                f"unknown target {n!r}{hint}; valid targets: {', '.join(TARGETS)}, "
+                "sieproxy@REV, hypercorn-wK")
+    if not names:
+        raise argparse.ArgumentTypeError("no target given")
+    return names
+
+
+def _outputs(p: argparse.ArgumentParser) -> None:
+    """Where a subcommand's results go: nowhere but stdout unless asked."""
+    p.add_argument("--results-dir", type=Path, default=None,
+                   help="write the raw JSON and the plots into this directory")
+    p.add_argument("--record", action="store_true",
+                   help="rewrite this subcommand's section of bench/RESULTS.md and the SVG "
+                   "plots beside it (raw JSON in bench/out/)")
+    p.add_argument("--no-results", action="store_true", help=argparse.SUPPRESS)  # the default
+
+
 def _common(p: argparse.ArgumentParser, targets: str, duration: float) -> None:
-    p.add_argument("--targets", type=_csv(str), default=targets.split(","))
+    p.add_argument("--targets", type=_target_list, default=targets.split(","),
+                   help=TARGETS_HELP + f" (default {targets})")
     p.add_argument("--tokens", type=int, default=200, help="tokens per response (default 200)")
     p.add_argument("--ttft-ms", type=float, default=0.0, help="engine time to first token")
     p.add_argument("--duration", type=float, default=duration, help="measurement window, s")
@@ -66,7 +101,7 @@ def _common(p: argparse.ArgumentParser, targets: str, duration: float) -> None:
                    "bench/native/harness.c (closed loop, no fan-out)")
     p.add_argument("--cumulative", action="store_true",
                    help="engine sends cumulative text (default: incremental deltas)")
-    p.add_argument("--no-results", action="store_true", help="do not touch bench/RESULTS.md")
+    _outputs(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--streams: tokens per timed run (default 200,000: about a second)")
     tp.add_argument("--rounds", type=int, default=3,
                     help="--streams: rounds of one timed run per number of streams (default 3)")
-    tp.add_argument("--no-results", action="store_true", help="do not touch bench/RESULTS.md")
+    _outputs(tp)
     pc = sub.add_parser("prefix-cache", help="CPU engine: TTFT per turn, prefix cache on/off")
     pc.add_argument("--model", default="default")
     pc.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
@@ -141,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("--soak-prompts", type=int, default=48,
                     help="distinct prompts of the memory soak (0: no soak)")
     pc.add_argument("--soak-cache-tokens", type=int, default=1024)
-    pc.add_argument("--no-results", action="store_true", help="do not touch bench/RESULTS.md")
+    _outputs(pc)
     et = sub.add_parser("engine-throughput",
                         help="CPU engine tok/s beside llama.cpp (same GGUF) and generate()")
     et.add_argument("--model", default="default")
@@ -151,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     et.add_argument("--streams", type=_csv(int), default=[1, 16])
     et.add_argument("--tokens", type=int, default=128, help="new tokens per stream")
     et.add_argument("--rounds", type=int, default=2)
-    et.add_argument("--no-results", action="store_true", help="do not touch bench/RESULTS.md")
+    _outputs(et)
     fl = sub.add_parser("fleet", help="routing policies over a simulated fleet (virtual time)")
     fl.add_argument("--replicas", type=int, default=6)
     fl.add_argument("--conversations", type=int, default=400)
@@ -159,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--seed", type=int, default=7)
     fl.add_argument("--load-interval", type=float, default=1.0,
                     help="gateway.load_interval of the simulated gateways (s)")
-    fl.add_argument("--no-results", action="store_true", help="do not touch bench/RESULTS.md")
+    _outputs(fl)
     return p
 
 
@@ -251,31 +286,43 @@ def _header(name: str, meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _save(name: str, meta: dict[str, Any], runs: list[dict[str, Any]], extra: Any = None) -> Path:
-    T.OUT.mkdir(parents=True, exist_ok=True)
-    path = T.OUT / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}.json"
+def _out_dir(a: argparse.Namespace) -> Path | None:
+    """Where raw results go: ``--results-dir``; bench/out/ with ``--record``; else nowhere."""
+    if getattr(a, "results_dir", None) is not None:
+        return Path(a.results_dir)
+    return T.OUT if getattr(a, "record", False) else None
+
+
+def _save(a: argparse.Namespace, name: str, meta: dict[str, Any], runs: list[dict[str, Any]],
+          extra: Any = None) -> Path | None:
+    out = _out_dir(a)
+    if out is None:
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}.json"
     path.write_text(json.dumps({"meta": meta, "runs": runs, "extra": extra}, indent=1))
     return path
 
 
-def _plot(a: argparse.Namespace, name: str) -> Path:
-    """Where a plot goes: beside RESULTS.md, or bench/out/ with --no-results (an experiment
-    must not replace the images the recorded tables refer to)."""
-    if a.no_results:
-        T.OUT.mkdir(parents=True, exist_ok=True)
-        return T.OUT / name
-    return BENCH_DIR / name
+def _plot(a: argparse.Namespace, name: str) -> Path | None:
+    """Where a plot goes: ``--results-dir``; beside RESULTS.md with ``--record`` (the images
+    its tables refer to); else nowhere (None: the plot is not drawn)."""
+    if a.results_dir is not None:
+        a.results_dir.mkdir(parents=True, exist_ok=True)
+        return Path(a.results_dir) / name
+    return BENCH_DIR / name if a.record else None
 
 
 def _finish(a: argparse.Namespace, name: str, md: str, verdicts: list[dict[str, Any]],
-            path: Path) -> None:
+            path: Path | None) -> None:
     PROGRESS.done()
     if verdicts:
         md = md + "\n\nTargets from this run:\n\n" + R.targets_table(verdicts)
     md += "\n"
     print(md)
-    print(f"(raw results: {path})", file=sys.stderr)
-    if not a.no_results:
+    if path is not None:
+        print(f"(raw results: {path})", file=sys.stderr)
+    if a.record:
         R.write_section(name, md, verdicts)
         print(f"(section `{name}` of {R.RESULTS} rewritten)", file=sys.stderr)
 
@@ -330,7 +377,7 @@ def cmd_relay(a: argparse.Namespace) -> None:
     b = _bench(a)
     runs = _sweep(a, b)
     meta = _meta(a, b)
-    path = _save("relay", meta, [_strip(r) for r in runs])
+    path = _save(a, "relay", meta, [_strip(r) for r in runs])
     ratios = R.pair_ratios(runs)
     order = _order(a.targets)
     # plots
@@ -436,7 +483,7 @@ def cmd_streams(a: argparse.Namespace) -> None:
     b = _bench(a)
     runs = _sweep(a, b)
     meta = _meta(a, b)
-    path = _save("streams", meta, [_strip(r) for r in runs])
+    path = _save(a, "streams", meta, [_strip(r) for r in runs])
     order = _order(a.targets)
     md = _header("streams", meta)
     md += (f"\n{a.streams:,} clients in a closed loop, each holding one n = 1 stream open at "
@@ -477,7 +524,7 @@ def cmd_latency(a: argparse.Namespace) -> None:
             t.stop()
         eng.stop()
     meta = _meta(a, b)
-    path = _save("latency", meta, [_strip(r) for r in runs])
+    path = _save(a, "latency", meta, [_strip(r) for r in runs])
     ratios = R.pair_ratios(runs)
     order = _order(a.targets)
     plots = []
@@ -537,7 +584,7 @@ def cmd_disconnect(a: argparse.Namespace) -> None:
             t.stop()
         eng.stop()
     meta = _meta(a, b)
-    path = _save("disconnect", meta, [_strip(r) for r in runs])
+    path = _save(a, "disconnect", meta, [_strip(r) for r in runs])
     rows = ["| target | client departures | generations the engine started | ended early at "
             "the engine (aborted + cancelled) | ran to completion anyway | still running after "
             "1 s (leaked) | /abort_request received | errors |",
@@ -607,7 +654,7 @@ def cmd_soak(a: argparse.Namespace) -> None:
             t.stop()
         eng.stop()
     meta = _meta(a, b)
-    path = _save("soak", meta, [_strip(r) for r in runs])
+    path = _save(a, "soak", meta, [_strip(r) for r in runs])
     md = _header("soak", meta)
     md += (f"\n{a.streams} clients in a closed loop for {a.minutes:g} min (after the warm-up), "
            f"{b.tokens}-token responses at {a.itl_ms:g} ms ITL; {a.leave_fraction:.0%} of "
@@ -717,7 +764,7 @@ def cmd_workers(a: argparse.Namespace) -> None:
     meta = _meta(a, b)
     meta["machine_ceiling"] = {"probe": a.ceiling, "seconds": a.ceiling_seconds,
                                "probes": probes}
-    path = _save("workers", meta, [_strip(r) for r in runs])
+    path = _save(a, "workers", meta, [_strip(r) for r in runs])
     md = _header("workers", meta)
     md += (f"\n`hypercorn --worker-class trio --workers K sieproxy.asgi:app`, {a.concurrency} "
            f"clients, ITL {a.itl_ms:g} ms, nothing pinned: workers, engine and load "
@@ -834,7 +881,7 @@ def cmd_token_path(a: argparse.Namespace) -> None:
     rows += [f"| {name} | {v:,.0f} | {v / mine:.3f} |" for name, v in per.items()]
     meta = {**_run_meta(), "tokens": [lo, hi]}
     runs = [{"target": n, "tokens": k, "instructions": c} for (n, k), c in counts.items()]
-    path = _save("token-path", meta, runs, extra={"per_token": per})
+    path = _save(a, "token-path", meta, runs, extra={"per_token": per})
     md = "\n".join([
         *_intro("token-path", meta, "valgrind's callgrind counts instructions, so the figures "
                 "do not depend on the machine's load"),
@@ -876,7 +923,7 @@ def _token_path_streams(a: argparse.Namespace) -> None:
         rows.append(f"| {n:,} | {table[n]['us_per_token']:.2f} | {table[n]['ratio']:.2f} | "
                     f"{spread} |")
     meta = {**_run_meta(), "tokens": tokens, "streams": a.streams, "rounds": a.rounds}
-    path = _save("token-path-streams", meta, runs, extra={str(n): v for n, v in table.items()})
+    path = _save(a, "token-path-streams", meta, runs, extra={str(n): v for n, v in table.items()})
     md = "\n".join([
         *_intro("token-path-streams", meta, "timed: only the ratios within a round compare"),
         f"Each run relays {tokens:,} tokens of streamed chats through `InlineReader.ride()` "
@@ -912,7 +959,7 @@ def cmd_prefix_cache(a: argparse.Namespace) -> None:
                          text=True, cwd=BENCH_DIR, check=False).stdout.strip()
     meta = {**_run_meta(), "revision": rev, "model": str(engine.model_path),
             "threads": a.threads, "reply_tokens": a.reply_tokens, "cache_tokens": a.cache_tokens}
-    path = _save("prefix-cache", meta, rows, extra=soak)
+    path = _save(a, "prefix-cache", meta, rows, extra=soak)
     table = ["| turn | prompt tokens | cached | TTFT off (s) | TTFT on (s) | off ÷ on | "
              "same greedy output |", "|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
@@ -993,7 +1040,7 @@ def cmd_engine_throughput(a: argparse.Namespace) -> None:
     kernels = "on" if engine.model is not None and engine.model.uses_kernels else "off"
     meta = {**_run_meta(), "revision": rev, "model": str(engine.model_path), "gguf": str(gguf),
             "threads": threads, "tokens": a.tokens, "kernels": kernels}
-    path = _save("engine-throughput", meta, rows)
+    path = _save(a, "engine-throughput", meta, rows)
     table = ["| round | streams | engine tok/s | llama.cpp tok/s | generate() tok/s | "
              "engine ÷ llama.cpp | engine ÷ generate() | order |",
              "|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -1050,7 +1097,7 @@ def cmd_fleet(a: argparse.Namespace) -> None:
     staleness = [(x, F.run(dataclasses.replace(p, load_interval=x), ("prefix",))[0])
                  for x in (p.load_interval / 4, p.load_interval * 5)]
     meta = {**_run_meta(), "params": dataclasses.asdict(p)}
-    path = _save("fleet", meta, rows, extra={str(x): r for x, r in staleness})
+    path = _save(a, "fleet", meta, rows, extra={str(x): r for x, r in staleness})
     pre, ll = by["prefix"], by["least_loaded"]
     ratio = ll["ttft_p50_ms"] / pre["ttft_p50_ms"]
     verdicts = [

@@ -23,6 +23,9 @@ COLORS = {
 }
 #: Ratios of CPU per chunk between two targets of the same run (numerator, denominator): the
 #: gateway against its peers, and against the floors of its own stack (bench/targets.FLOORS).
+#: Colours of the series no name in COLORS fits (a sweep's load points), in turn.
+PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+           "#7f7f7f", "#bcbd22", "#17becf"]
 CPU_PAIRS = [("sieproxy", "nginx"), ("litellm", "sieproxy"), ("sieproxy", "hypercorn-relay"),
              ("trio-pipe", "nginx"), ("trio-pump", "nginx")]
 
@@ -210,12 +213,16 @@ def _svg(w: int, h: int, body: list[str], title: str) -> str:
     )
 
 
-def cdf_svg(series: dict[str, list[float]], title: str, xlabel: str, path: Path) -> None:
-    """Empirical CDFs on a log x axis."""
+def _color(name: str, i: int) -> str:
+    return COLORS.get(name, PALETTE[i % len(PALETTE)])
+
+
+def cdf_svg(series: dict[str, list[float]], title: str, xlabel: str, path: Path | None) -> None:
+    """Empirical CDFs on a log x axis (nothing is drawn without a ``path``)."""
     import math
 
     series = {k: sorted(v) for k, v in series.items() if v}
-    if not series:
+    if not series or path is None:
         return
     w, h, lm, r, t, b = 640, 380, 55, 130, 30, 45
     allv = [x for v in series.values() for x in v if x > 0]
@@ -246,7 +253,7 @@ def cdf_svg(series: dict[str, list[float]], title: str, xlabel: str, path: Path)
         step = max(1, n // 400)
         pts = " ".join(f"{X(v[j]):.1f},{Y((j + 1) / n):.1f}" for j in range(0, n, step))
         pts += f" {X(v[-1]):.1f},{Y(1):.1f}"
-        c = COLORS.get(name, "#9467bd")
+        c = _color(name, i)
         body.append(f'<polyline fill="none" stroke="{c}" stroke-width="1.6" points="{pts}"/>')
         body.append(f'<rect x="{w - r + 10}" y="{t + 18 * i}" width="12" height="10" fill="{c}"/>'
                     f'<text x="{w - r + 26}" y="{t + 18 * i + 9}">{name} ({n})</text>')
@@ -254,12 +261,12 @@ def cdf_svg(series: dict[str, list[float]], title: str, xlabel: str, path: Path)
 
 
 def bars_svg(groups: list[tuple[str, dict[str, float]]], title: str, ylabel: str,
-             path: Path, log: bool = True) -> None:
+             path: Path | None, log: bool = True) -> None:
     """Grouped bars (one group per scenario, one bar per target), log y axis."""
     import math
 
     vals = [v for _, g in groups for v in g.values() if v]
-    if not vals:
+    if not vals or path is None:
         return
     names: list[str] = []
     for _, g in groups:
@@ -308,9 +315,9 @@ def bars_svg(groups: list[tuple[str, dict[str, float]]], title: str, ylabel: str
 
 
 def line_svg(series: dict[str, list[tuple[float, float]]], title: str, xlabel: str,
-             ylabel: str, path: Path) -> None:
+             ylabel: str, path: Path | None) -> None:
     pts_all = [p for v in series.values() for p in v]
-    if not pts_all:
+    if not pts_all or path is None:
         return
     w, h, lm, r, t, b = 640, 340, 60, 130, 30, 45
     x1 = max(x for x, _ in pts_all) or 1
@@ -333,7 +340,7 @@ def line_svg(series: dict[str, list[tuple[float, float]]], title: str, xlabel: s
         xv = x1 * k / 4
         body.append(f'<text x="{X(xv):.1f}" y="{Y(0) + 14}" text-anchor="middle">{xv:.0f}</text>')
     for i, (name, v) in enumerate(series.items()):
-        c = COLORS.get(name, "#9467bd")
+        c = _color(name, i)
         pts = " ".join(f"{X(x):.1f},{Y(y):.1f}" for x, y in v)
         body.append(f'<polyline fill="none" stroke="{c}" stroke-width="1.6" points="{pts}"/>'
                     f'<rect x="{w - r + 10}" y="{t + 18 * i}" width="12" height="10" fill="{c}"/>'

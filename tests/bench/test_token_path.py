@@ -61,9 +61,9 @@ def test_the_command_divides_the_difference_of_two_runs_per_build(
 ) -> None:
     monkeypatch.setenv("PATH", os.environ["PATH"])  # restored after the test
     _fake_valgrind(tmp_path, per_token=123)
-    monkeypatch.setattr(bench_main.T, "OUT", tmp_path / "out")
-    monkeypatch.setattr(sys, "argv", ["bench", "token-path", "--tokens", "30,10", "--no-results"])
-    assert bench_main.main(["token-path", "--tokens", "30,10", "--no-results"]) == 0
+    argv = ["token-path", "--tokens", "30,10", "--results-dir", str(tmp_path / "out")]
+    monkeypatch.setattr(sys, "argv", ["bench", *argv])
+    assert bench_main.main(argv) == 0
     out = capsys.readouterr().out
     assert "| sieproxy | 123 | 1.000 |" in out
     saved = json.loads(next((tmp_path / "out").glob("*-token-path.json")).read_text())
@@ -97,7 +97,6 @@ def test_interleaved_streams_each_get_their_turn_of_the_tokens(tmp_path: Path) -
 def test_the_streams_command_times_each_number_against_the_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(bench_main.T, "OUT", tmp_path / "out")
     calls: list[int] = []
 
     def timed(tokens: int, config: str, streams: int) -> float:  # 2 µs per token per stream
@@ -106,7 +105,7 @@ def test_the_streams_command_times_each_number_against_the_first(
 
     monkeypatch.setattr(TP, "interleaved", timed)
     argv = ["token-path", "--streams", "1,4", "--stream-tokens", "50", "--rounds", "2",
-            "--no-results"]
+            "--results-dir", str(tmp_path / "out")]
     monkeypatch.setattr(sys, "argv", ["bench", *argv])
     assert bench_main.main(argv) == 0
     assert calls == [1, 4, 4, 1]  # alternating, the order rotated each round

@@ -1,6 +1,15 @@
-"""``python -m bench SUBCOMMAND``: the gateway's own cost, side by side with direct, nginx, LiteLLM.
+"""``python -m bench SUBCOMMAND``: benchmark any deployment, or the gateway's own cost.
 
-The subcommands run on fake engines they start themselves. Each prints a Markdown summary; it writes
+    serve       load any OpenAI- or Anthropic-compatible URL (the gateway, vLLM, SGLang,
+                llama.cpp, a hosted API): TTFT, ITL, TPOT, end-to-end latency, throughput,
+                goodput under SLOs, over synthetic/shared-prefix/multi-turn/dataset/trace
+                workloads at a fixed concurrency or an arrival rate, with sweeps, e.g.
+                python -m bench serve --base-url http://127.0.0.1:8000 --model NAME \\
+                    --concurrency 1,4,16 --num-requests 200 --results-dir out/
+                (all options: python -m bench serve --help)
+
+The other subcommands measure the gateway's own cost, side by side with direct, nginx and
+LiteLLM, on fake engines they start themselves. Each prints a Markdown summary; it writes
 nothing unless asked: `--results-dir DIR` keeps the raw JSON and plots there, `--record`
 rewrites its own section of bench/RESULTS.md and the SVG plots beside it (raw JSON in
 bench/out/).
@@ -41,6 +50,7 @@ from bench import report as R
 from bench import targets as T
 from bench.runner import PROGRESS, Bench, Layout, machine, raise_nofile, run_load, versions
 from bench.runner import wait_engine_idle as idle
+from bench.serve import cli as serve_cli
 
 BENCH_DIR = Path(__file__).resolve().parent
 STREAMS, STREAMS_ITL_MS = 1000, 50.0  # the issue's "1,000 open streams at 50 ms" figure
@@ -53,7 +63,8 @@ def _csv(conv):
 #: The targets ``--targets`` accepts (besides ``sieproxy@REV`` and ``hypercorn-wK``).
 TARGETS = ("direct", "sieproxy", "nginx", "litellm", *T.FLOORS)
 TARGETS_HELP = ("comma-separated, from: " + ", ".join(TARGETS) + ", sieproxy@REV (another "
-                "build), hypercorn-wK (K workers)")
+                "build), hypercorn-wK (K workers); to load a deployment of your own, use "
+                "`python -m bench serve --base-url URL`")
 
 
 def _target_list(s: str) -> list[str]:
@@ -63,7 +74,8 @@ def _target_list(s: str) -> list[str]:
         ok = n in TARGETS or (n.startswith("sieproxy@") and len(n) > 9) or (
             n.startswith("hypercorn-w") and n[11:].isdigit() and int(n[11:]) > 0)
         if not ok:
-            hint = ""
+            hint = (" (a URL is not a target: `python -m bench serve --base-url URL --model "
+                    "NAME` loads a deployment)" if "://" in n else "")
             raise argparse.ArgumentTypeError(
                 f"unknown target {n!r}{hint}; valid targets: {', '.join(TARGETS)}, "
                 "sieproxy@REV, hypercorn-wK")
@@ -108,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
+    serve_cli.add_parser(sub)
     r = sub.add_parser("relay", help="CPU/chunk, latency, throughput side by side")
     _common(r, "direct,sieproxy,nginx,litellm", 10.0)
     r.add_argument("--n", type=_csv(int), default=[1, 4, 16])
@@ -1150,6 +1163,8 @@ def cmd_fleet(a: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    if a.cmd == "serve":
+        return int(a.func(a))
     raise_nofile()
     if "litellm" in getattr(a, "targets", []) and T.ensure_litellm(PROGRESS.note) is None:
         PROGRESS.note("LiteLLM unavailable; continuing without it")

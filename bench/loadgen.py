@@ -38,6 +38,7 @@ from typing import Any
 import trio
 
 from bench.procstat import cpu_between, sample_tree, tree_rss
+from bench.serve.metrics import summary
 
 _CONTENT = re.compile(rb'"content": ?"(?!")')
 _INDEX = re.compile(rb'"index": ?(\d+)')
@@ -532,19 +533,11 @@ def window_fields(
 
 
 def pct(values: array.array) -> dict[str, float | int]:
-    """Percentiles in milliseconds (nearest-rank), plus count and mean."""
-    if not values:
-        return {"count": 0}
-    s = sorted(values)
-    n = len(s)
-
-    def q(p: float) -> float:
-        return s[min(n - 1, max(0, math.ceil(p / 100 * n) - 1))] * 1000
-
-    return {
-        "count": n, "mean": sum(s) / n * 1000, "p50": q(50), "p90": q(90),
-        "p99": q(99), "p999": q(99.9), "max": s[-1] * 1000,
-    }
+    """Percentiles in milliseconds (nearest-rank), plus count and mean (bench/serve/metrics.py's
+    ``summary``, which ``bench serve`` reports with interpolated percentiles)."""
+    out = summary(values, (50, 90, 99, 99.9), method="nearest", scale=1000)
+    out.pop("min", None)
+    return out
 
 
 def sample(values: array.array, k: int, rng: random.Random) -> list[float]:

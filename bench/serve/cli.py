@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from bench.serve import output, prom
 from bench.serve.arrivals import KINDS
@@ -132,14 +132,19 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=main)
 
 
+def _fail(message: str) -> NoReturn:
+    """A bad command line: the reason on stderr, exit status 2 (as argparse's own errors)."""
+    print(f"python -m bench serve: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def _check(p: argparse.Namespace) -> None:
-    """Reject a contradictory command line (exit 2 with the reason)."""
+    """Reject a contradictory command line."""
     if p.concurrency and p.request_rate:
-        raise SystemExit("bench serve: give --concurrency (closed loop) or --request-rate "
-                         "(open loop), not both; --max-concurrency caps an open loop")
+        _fail("give --concurrency (closed loop) or --request-rate (open loop), not both; "
+              "--max-concurrency caps an open loop")
     if p.trace is not None and (p.concurrency or p.request_rate):
-        raise SystemExit("bench serve: a --trace sets its own schedule; drop --concurrency "
-                         "and --request-rate")
+        _fail("a --trace sets its own schedule; drop --concurrency and --request-rate")
 
 
 def _workload(a: argparse.Namespace, tok: Tokenizer | None) -> tuple[str, Iterator[Conversation]]:
@@ -205,9 +210,12 @@ def main(a: argparse.Namespace) -> int:
         extra = json.loads(a.extra_body) if a.extra_body else {}
         if not isinstance(extra, dict):
             raise ValueError("--extra-body must be a JSON object")
+        bad = [h for h in a.header if ":" not in h or not h.split(":", 1)[0].strip()]
+        if bad:
+            raise ValueError(f"--header {bad[0]!r}: expected 'Name: value'")
         headers = dict(h.split(":", 1) for h in a.header)
     except ValueError as exc:
-        raise SystemExit(f"bench serve: {exc}") from None
+        _fail(str(exc))
     env = "ANTHROPIC_API_KEY" if a.endpoint == "messages" else "OPENAI_API_KEY"
     key = a.api_key or os.environ.get(env)
     ep = Endpoint(a.endpoint, endpoint_url(a.base_url, a.endpoint), a.model,
@@ -219,7 +227,7 @@ def main(a: argparse.Namespace) -> int:
     try:
         workload, convs = _workload(a, tok)
     except (ValueError, OSError) as exc:
-        raise SystemExit(f"bench serve: {exc}") from None
+        _fail(str(exc))
     axis, loads = _loads(a)
     bar = {"auto": None, "on": True, "off": False}[a.progress]
 

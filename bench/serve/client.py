@@ -182,9 +182,9 @@ class _Failure(Exception):
 
 
 async def send(client: httpx.AsyncClient, ep: Endpoint, rec: RequestRecord, run_t0: float,
-               system: str | None, history: list[dict[str, str]], max_tokens: int,
-               tokenizer: Tokenizer | None) -> str:
-    """Send one request and fill ``rec``; returns the reply's text ("" on failure)."""
+               system: str | None, history: list[dict[str, str]], max_tokens: int) -> str:
+    """Send one request and fill ``rec`` (tokens from the server's usage, else its text
+    events); returns the reply's text ("" on failure)."""
     body = ep.body(system, history, max_tokens)
     t0 = time.perf_counter()
     rec.start_s = t0 - run_t0
@@ -229,11 +229,7 @@ async def send(client: httpx.AsyncClient, ep: Endpoint, rec: RequestRecord, run_
         return ""
     rec.e2e_ms = (end - t0) * 1000
     text = "".join(st.text)
-    if tokenizer is not None:
-        rec.input_tokens = tokenizer.count(prompt_text(system, history))
-        rec.output_tokens = tokenizer.count(text)
-        rec.tokens_source = "tokenizer"
-    elif st.usage_out is not None:
+    if st.usage_out is not None:
         rec.input_tokens = st.usage_in
         rec.output_tokens = st.usage_out
         rec.tokens_source = "usage"
@@ -242,6 +238,15 @@ async def send(client: httpx.AsyncClient, ep: Endpoint, rec: RequestRecord, run_
         rec.output_tokens = rec.chunks
         rec.tokens_source = "chunks"
     return text
+
+
+def count_tokens(rec: RequestRecord, tokenizer: Tokenizer, prompt: str, reply: str) -> None:
+    """Count a successful request's tokens with the model's tokenizer. Done after the load
+    point, never during it: tokenizing in the event loop would delay the other streams' reads
+    and inflate their latencies."""
+    rec.input_tokens = tokenizer.count(prompt)
+    rec.output_tokens = tokenizer.count(reply)
+    rec.tokens_source = "tokenizer"
 
 
 def _ssl_error(exc: BaseException) -> ssl.SSLError | None:

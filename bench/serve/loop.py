@@ -23,7 +23,7 @@ import httpx
 import trio
 
 from bench.serve import arrivals
-from bench.serve.client import Endpoint, send
+from bench.serve.client import Endpoint, count_tokens, prompt_text, send
 from bench.serve.metrics import RequestRecord
 from bench.serve.workloads import Conversation, Tokenizer
 
@@ -57,6 +57,7 @@ class _State:
     taken: int = 0
     inflight: int = 0
     stopped: bool = False
+    replies: list[tuple[RequestRecord, str, str]] = field(default_factory=list)
 
     def take(self) -> bool:
         """Claim the next request if the bounds allow one."""
@@ -110,8 +111,7 @@ async def _conversation(client: httpx.AsyncClient, ep: Endpoint, st: _State, con
                             scheduled_s=scheduled, start_s=0.0)
         st.inflight += 1
         try:
-            reply = await send(client, ep, rec, st.t0, conv.system, history, turn.max_tokens,
-                               tokenizer)
+            reply = await send(client, ep, rec, st.t0, conv.system, history, turn.max_tokens)
         finally:
             st.inflight -= 1
         if i > 0:
@@ -119,6 +119,8 @@ async def _conversation(client: httpx.AsyncClient, ep: Endpoint, st: _State, con
         st.records.append(rec)
         if not rec.ok:
             return
+        if tokenizer is not None:  # counted after the point (see ``count_tokens``)
+            st.replies.append((rec, prompt_text(conv.system, history), reply))
         history.append({"role": "assistant", "content": reply})
         if st.load.think_s and i + 1 < len(conv.turns):
             await trio.sleep(st.load.think_s)
@@ -159,6 +161,9 @@ async def run(client: httpx.AsyncClient, ep: Endpoint, convs: Iterator[Conversat
         outer.cancel_scope.cancel()
     if progress is not None:
         progress.draw(st, final=True)
+    if tokenizer is not None:
+        for rec, prompt, reply in st.replies:
+            count_tokens(rec, tokenizer, prompt, reply)
     return st.records
 
 

@@ -46,7 +46,7 @@ async def _one(ep: client.Endpoint, verify: Any = True) -> tuple[RequestRecord, 
     rec = RequestRecord(index=0, conversation=0, turn=0, scheduled_s=0.0, start_s=0.0)
     async with httpx.AsyncClient(verify=verify) as c:
         text = await client.send(c, ep, rec, time.perf_counter(), "sys",
-                                 [{"role": "user", "content": "hi"}], 5, None)
+                                 [{"role": "user", "content": "hi"}], 5)
     return rec, text
 
 

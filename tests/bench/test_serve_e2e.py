@@ -144,3 +144,29 @@ def test_bad_command_lines_exit_with_a_reason(args: list[str], message: str) -> 
     assert r.returncode == 2
     assert message in r.stderr
     assert r.stdout == ""
+
+
+def test_the_gateway_in_front_of_the_fake_engine_and_its_metrics(tmp_path: Path) -> None:
+    """Through the gateway (one ``sieproxy serve`` process, bench/targets.py's configuration):
+    its Prometheus counters, scraped around the point, count exactly the requests sent."""
+    from bench import targets as T
+
+    eng = T.start_engine(10.0, 2.0, 8, None, True, "fake")
+    try:
+        gw = T.start_sieproxy(eng.port, None)
+        try:
+            r = _serve("--base-url", f"http://127.0.0.1:{gw.port}/v1", "--model", "bench-model",
+                       "--concurrency", "2", "--num-requests", "10", "--output-len", "8",
+                       "--results-dir", str(tmp_path / "gw"))
+        finally:
+            gw.stop()
+    finally:
+        eng.stop()
+    assert r.returncode == 0, r.stderr
+    (point,) = json.loads((tmp_path / "gw" / "results.json").read_text())["points"]
+    assert point["figures"]["completed"] == 10
+    m = point["server_metrics"]
+    assert m["available"] is True and m["url"] == f"http://127.0.0.1:{gw.port}/metrics"
+    sent = {k: v for k, v in m["counters_delta"].items()
+            if k.startswith("sieproxy_requests_total{") and 'status="200"' in k}
+    assert sum(sent.values()) == 10

@@ -286,7 +286,9 @@ async def _send_generation(
             await _send_whole(send, error_response(err, body.stats.request_id))
             return
         # The head and the first frames go out in one socket write; the whole answer (not
-        # streamed, or a stream that ended at once) with the body's end too.
+        # streamed, or a stream whose engine sent all of it at once) with the body's end too.
+        while body.at_hand():
+            head += await body.__anext__()
         messages = [start]
         body.stats.responded = True
         if body.done:

@@ -16,6 +16,8 @@ bench/out/).
 
     relay       CPU per relayed chunk, latency, throughput: targets × n × clients × ITL, repeated
     latency     added TTFT at one client (n = 1) and n = 16 fan-out (all first tokens)
+    short       CPU per short request (2 tokens, 32 clients, no inter-token delay)
+    burst       added TTFT p50/p99 of a burst of 256 new streams against direct
     disconnect  clients leave after k chunks; the engine counts the generations it saw end early
     streams     1,000 open streams at 50 ms ITL on one gateway process (the issue's figure),
                 beside the stack's floors; the native harness by default
@@ -116,6 +118,13 @@ def _common(p: argparse.ArgumentParser, targets: str, duration: float) -> None:
     _outputs(p)
 
 
+def _goal(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--against", default="7f83ca0",
+                   help="the revision the verdict compares `sieproxy` with (as sieproxy@REV)")
+    p.add_argument("--goal", type=float, default=0.5,
+                   help="the verdict's bound on sieproxy ÷ sieproxy@REV (default 0.5)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -133,6 +142,18 @@ def build_parser() -> argparse.ArgumentParser:
     la.set_defaults(tokens=16, repeat=3)
     la.add_argument("--n", type=_csv(int), default=[1, 16])
     la.add_argument("--itl-ms", type=float, default=20.0)
+    sh = sub.add_parser("short", help="CPU per short request (per-request cost)")
+    _common(sh, "sieproxy,sieproxy@7f83ca0", 8.0)
+    sh.set_defaults(tokens=2, repeat=3)
+    sh.add_argument("--clients", type=int, default=32)
+    sh.add_argument("--itl-ms", type=float, default=0.0)
+    _goal(sh)
+    bu = sub.add_parser("burst", help="added TTFT of a burst of new streams")
+    _common(bu, "direct,sieproxy,sieproxy@7f83ca0", 0.0)
+    bu.set_defaults(repeat=5)
+    bu.add_argument("--streams", type=int, default=256, help="new streams per burst")
+    bu.add_argument("--itl-ms", type=float, default=20.0)
+    _goal(bu)
     d = sub.add_parser("disconnect", help="clients leave after k chunks; aborts at the engine")
     _common(d, "direct,sieproxy,nginx,litellm", 10.0)
     d.set_defaults(repeat=1)
@@ -570,6 +591,71 @@ def cmd_latency(a: argparse.Namespace) -> None:
         "n=16: all 16 first tokens within 1.2× of 16 direct requests",
         None if fo is None else fo <= 1.2, f"{R.fmt(fo, 2)}× direct"))
     _finish(a, "latency", md, verdicts, path)
+
+
+# ---- short, burst: the cost of a new request (bench/newreq.py) ------------------------------
+
+
+def cmd_short(a: argparse.Namespace) -> None:
+    from bench import newreq as NR
+
+    a.n, a.concurrency, a.itl_ms, a.rate = [1], [a.clients], [a.itl_ms], None
+    b = _bench(a)
+    runs = _sweep(a, b)
+    meta = _meta(a, b)
+    path = _save("short", meta, [_strip(r) for r in runs])
+    order = [t for t in a.targets if any(r["target"] == t for r in runs)]
+    s = NR.short_summary(runs, order)
+    md = _header("short", meta)
+    md += (f"\n{a.clients} clients in a closed loop, each request a {b.tokens}-token streamed "
+           f"chat at {a.itl_ms[0]:g} ms ITL, so nearly all the gateway's work is per request. "
+           "CPU per request = the gateway's process tree CPU (schedstat) over the window ÷ "
+           "requests completed in it; medians over rounds, ratios within a round.\n\n")
+    md += NR.short_markdown(s)
+    _finish(a, "short", md, NR.short_verdicts(s, a.against, a.goal), path)
+
+
+def _burst(b: Bench, tgt: T.Target, eng: T.Proc, a: argparse.Namespace,
+           label: str) -> dict[str, Any]:
+    """One burst: ``a.streams`` clients start at once, each one request on a new connection."""
+    stream_s = (b.ttft_ms + b.tokens * a.itl_ms) / 1000
+    return _measure(b, tgt, eng, label, n=1, concurrency=a.streams, itl_ms=a.itl_ms,
+                    once=True, ramp=0.0, warmup=0.0, duration=stream_s + 2.0)
+
+
+def cmd_burst(a: argparse.Namespace) -> None:
+    from bench import newreq as NR
+
+    b = _bench(a)
+    runs: list[dict[str, Any]] = []
+    eng = _engine(b, a, a.itl_ms)
+    tg: dict[str, T.Target] = {}
+    try:
+        tg = b.start_targets(a.targets, eng.port)
+        names = [t for t in a.targets if t in tg]
+        for name in names:  # not counted: the gateway's first burst opens its engine pool
+            _burst(b, tg[name], eng, a, f"warm-up burst {name}")
+        for rep in range(a.repeat):
+            for name in _rotate(names, rep):
+                r = _burst(b, tg[name], eng, a,
+                           f"round {rep + 1}/{a.repeat}: burst of {a.streams} {name}")
+                r["repeat"] = rep
+                runs.append(r)
+    finally:
+        for t in tg.values():
+            t.stop()
+        eng.stop()
+    meta = _meta(a, b)
+    path = _save("burst", meta, [_strip(r) for r in runs])
+    s = NR.burst_summary(runs, _order([t for t in a.targets if t in tg]))
+    md = _header("burst", meta)
+    md += (f"\n{a.streams} clients start at once, each one streamed chat of {b.tokens} tokens "
+           f"at {a.itl_ms:g} ms ITL on a new connection (TTFT from before its connect); one "
+           "burst per target and round, the targets alternating, after one uncounted burst "
+           "per target. Added = the target's percentile − direct's in the same round; "
+           "medians over rounds.\n\n")
+    md += NR.burst_markdown(s)
+    _finish(a, "burst", md, NR.burst_verdicts(s, a.against, a.goal), path)
 
 
 # ---- disconnect -----------------------------------------------------------------------------
@@ -1168,7 +1254,8 @@ def main(argv: list[str] | None = None) -> int:
     raise_nofile()
     if "litellm" in getattr(a, "targets", []) and T.ensure_litellm(PROGRESS.note) is None:
         PROGRESS.note("LiteLLM unavailable; continuing without it")
-    {"relay": cmd_relay, "latency": cmd_latency, "disconnect": cmd_disconnect,
+    {"relay": cmd_relay, "latency": cmd_latency, "short": cmd_short, "burst": cmd_burst,
+     "disconnect": cmd_disconnect,
      "streams": cmd_streams, "soak": cmd_soak, "workers": cmd_workers,
      "token-path": cmd_token_path, "prefix-cache": cmd_prefix_cache, "fleet": cmd_fleet,
      "engine-throughput": cmd_engine_throughput}[a.cmd](a)

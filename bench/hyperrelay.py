@@ -27,7 +27,7 @@ from hypercorn.trio import serve
 
 from sieproxy.core.errors import GatewayError
 from sieproxy.engine_client import EngineClient, UpstreamResponse
-from sieproxy.hypercorn_io import ChunkWriter, body_writer, chunk_writer, watch_disconnect
+from sieproxy.hypercorn_io import ChunkWriter, ClientWatch, body_writer, chunk_writer
 from sieproxy.hypercorn_io import install as install_hypercorn_io
 from sieproxy.pump import Pump
 from sieproxy.serve import tune_gc
@@ -121,10 +121,10 @@ def make_app(engine: str, client: EngineClient, pump: Pump) -> Any:
             msg = await receive()
             body += msg.get("body", b"")
             more = msg.get("more_body", False)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch_disconnect, receive, nursery.cancel_scope)  # as the gateway
+        async with ClientWatch(receive) as watch:
+            watch.watch(lambda: None)  # as the gateway
             await _relay(engine, client, scope["path"], body, send, pump)
-            nursery.cancel_scope.cancel()
+            watch.scope.cancel()
 
     return app
 

@@ -20,6 +20,8 @@ ends; ``fanout > 1`` makes each client request that many parallel sub-requests w
 which is how "direct" and "nginx" serve ``n > 1``) and open loop (Poisson arrivals at ``rate``
 per second, at most ``max_inflight`` at once; arrivals beyond that are counted as dropped).
 ``disconnect_after`` makes a client close its connection after that many content events.
+``once`` makes each client send one request only (a burst of ``concurrency`` new streams, each
+on a new connection: ``python -m bench burst``).
 """
 
 from __future__ import annotations
@@ -369,6 +371,8 @@ class Runner:
         try:
             while not self.stop:
                 await self._one(socks)
+                if self.cfg.get("once"):
+                    return
                 if self.cfg.get("think", 0):
                     await trio.sleep(self.cfg["think"])
         finally:

@@ -368,7 +368,8 @@ def write_section(name: str, markdown: str, verdicts: list[dict[str, Any]]) -> N
     found = {m.group(1): m.group(0) for m in re.finditer(
         r"<!-- bench:(\w+):begin -->.*?<!-- bench:\1:end -->", text, flags=re.S)}
     found[name] = block
-    order = ["notes", "relay", "latency", "disconnect", "streams", "soak", "workers"]
+    order = ["notes", "relay", "latency", "short", "burst", "disconnect", "streams", "soak",
+             "workers"]
     names = [n for n in order if n in found] + sorted(n for n in found if n not in order)
     allv: list[dict[str, Any]] = []
     for n in names:

@@ -3,7 +3,7 @@
 ``sieproxy.app.GatewayHTTPConnection`` hands ``POST`` on the generation routes to
 :func:`serve_generation`: it reads the headers it needs and the body (``read_body``,
 sieproxy/request_body.py), plans and admits the request (:func:`_start`) and sends the response
-(:func:`_send_generation`), while :func:`_watch_client` cancels it all if the client leaves. The
+(:func:`_send_generation`), while a ``ClientWatch`` cancels it all if the client leaves. The
 error envelope, the request id and the auth check, which the Quart routes use too
 (sieproxy/app.py), live here.
 
@@ -26,7 +26,6 @@ import re
 from typing import Any
 
 import msgspec
-import trio
 from quart import Response
 
 from .core.errors import (
@@ -38,11 +37,11 @@ from .core.errors import (
 from .core.pipeline import build_chat, build_completion, build_responses
 from .fallback import Fallbacks, cause_of
 from .hypercorn_io import (
+    ClientWatch,
     body_writer,
     prepare_head,
     refusal,
     send_together,
-    watch_disconnect,
 )
 from .pool import RouteHints
 from .relay import GenerationBody
@@ -105,12 +104,10 @@ class _Client:
         """The response's outcome for the access log (``RequestStats.outcome``)."""
         return "client_closed" if self.left else "complete" if self.ended else "cut"
 
-
-async def _watch_client(receive: Any, scope: trio.CancelScope, client: _Client) -> None:
-    await watch_disconnect(receive, scope)
-    # Nothing has yielded since the cancel: the response's task has not seen it yet.
-    if not client.ended:
-        client.left = True
+    def leave(self) -> None:
+        """The client left (``ClientWatch``; the response's task has not seen it yet)."""
+        if not self.ended:
+            self.left = True
 
 
 async def serve_generation(
@@ -123,7 +120,7 @@ async def serve_generation(
     rid = request_id_for(headers.get(b"x-request-id"))
     raw: bytes | None = None  # the request body, once read to its end
     client = _Client()
-    async with trio.open_nursery() as nursery:
+    async with ClientWatch(receive) as watch:
         body: GenerationBody | None = None
         try:
             try:
@@ -135,7 +132,7 @@ async def serve_generation(
                         retry_after=g.retry_after,
                     )
                 raw = await read_body(headers, receive, g.max_body_bytes, body_timeout)
-                nursery.start_soon(_watch_client, receive, nursery.cancel_scope, client)
+                watch.watch(client.leave)
                 body = await _start(state, endpoint, rid, headers, raw, client)
             except ClientGone:
                 refused = refusal()  # the connection answered a body it could not read
@@ -167,7 +164,7 @@ async def serve_generation(
             elif client.left:  # before its body arrived, or while waiting for admission
                 sdk = headers.get(b"x-sie-sdk-version")
                 state.observer.client_left(endpoint, request_id=rid, sdk_version=sdk)
-            nursery.cancel_scope.cancel()
+            watch.scope.cancel()
 
 
 def as_error(exc: Exception, request_id: str | None) -> GatewayError:
@@ -286,7 +283,9 @@ async def _send_generation(
             await _send_whole(send, error_response(err, body.stats.request_id))
             return
         # The head and the first frames go out in one socket write; the whole answer (not
-        # streamed, or a stream that ended at once) with the body's end too.
+        # streamed, or a stream whose engine sent all of it at once) with the body's end too.
+        while body.at_hand():
+            head += await body.__anext__()
         messages = [start]
         body.stats.responded = True
         if body.done:

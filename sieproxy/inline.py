@@ -215,6 +215,12 @@ class InlineReader(Candidate):
         except trio.TooSlowError:  # no response head in time: by the deadline, or the gap
             return await self.finish_with(att.expired(self))
 
+    def at_hand(self) -> bool:
+        """Whether the candidate's remaining events can be read without waiting: the engine's
+        whole body has arrived (or the candidate has ended)."""
+        resp = self.resp
+        return self.closed or (resp is not None and resp.finished and self.cause is None)
+
     async def _wait(self, resp: UpstreamResponse) -> None:
         """Wait for the engine's next bytes, in the relay pump once the head is out (it relays
         what it can meanwhile); a fired timer wakes the wait by closing the connection."""

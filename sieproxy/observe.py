@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import msgspec
 import trio
@@ -193,6 +194,9 @@ class Observer:
             ["model", "cause"],
             registry=r,
         )
+        #: The labelled children of the per-request metrics, by metric and label values:
+        #: ``labels()`` validates, locks and looks up on every call (``_child``).
+        self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
         for model in with_fallbacks:  # exported at 0 from the start (rates need a series)
             for cause in FALLBACK_CAUSES:
                 self.fallbacks.labels(model, cause)
@@ -255,30 +259,40 @@ class Observer:
                 ).decode()
             )
 
+    def _child(self, metric: Counter | Histogram, *labels: str) -> Any:
+        """``metric.labels(*labels)``, made once (a series appears when first used, as
+        before)."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def request_done(self, s: RequestStats) -> None:
         now = trio.current_time()
         if not s.responded:
             status = CLIENT_CLOSED if s.outcome == "client_closed" else NO_RESPONSE
         else:
             status = s.error.status if s.error is not None else 200
-        self.requests.labels(s.endpoint, s.model, str(status)).inc()
-        self.duration.labels(s.model).observe(now - s.started)
+        child, model = self._child, s.model
+        child(self.requests, s.endpoint, model, str(status)).inc()
+        child(self.duration, model).observe(now - s.started)
         ttft = None
         if s.first_token_at is not None:
             ttft = s.first_token_at - s.started
-            self.ttft.labels(s.model).observe(ttft)
+            child(self.ttft, model).observe(ttft)
             if s.completion_tokens > 1:
-                self.itl.labels(s.model).observe(
+                child(self.itl, model).observe(
                     (now - s.first_token_at) / (s.completion_tokens - 1)
                 )
         if s.prompt_tokens:
-            self.tokens.labels(s.model, "in").inc(s.prompt_tokens)
+            child(self.tokens, model, "in").inc(s.prompt_tokens)
         if s.completion_tokens:
-            self.tokens.labels(s.model, "out").inc(s.completion_tokens)
+            child(self.tokens, model, "out").inc(s.completion_tokens)
         for cause, k in s.abort_causes.items():
-            self.aborts.labels(s.model, cause).inc(k)
+            child(self.aborts, model, cause).inc(k)
         if s.retried:
-            self.retries.labels(s.model).inc()
+            child(self.retries, model).inc()
         if self._access and access_log.isEnabledFor(logging.INFO):
             access_log.info(
                 _enc.encode(

@@ -374,6 +374,10 @@ class GenerationBody:
         """Nothing more to send after what the body last returned (the answer, or ``[DONE]``)."""
         return self._done
 
+    def at_hand(self) -> bool:
+        """The rest of the body can be made without waiting (``n`` = 1: all the engine sent)."""
+        return not self._done and self._il is not None and self._il.at_hand()
+
     def __aiter__(self) -> GenerationBody:
         return self
 

@@ -18,7 +18,7 @@ Its modules, each with the part of the theory of operation about its code:
   ``ChunkWriter``), the head made ahead (``prepare_head``), one write for a head and its first
   piece (``send_together``), and ``body_writer()``;
 * ``asgi_side`` — what runs in or for the app's task: how it finds its connection, the queue
-  between the connection and the app (``Receive``), ``watch_disconnect()``,
+  between the connection and the app (``Receive``), ``watch_disconnect()``, ``ClientWatch``,
   ``body_consumed()``.
 
 Every name the gateway, the tests and the bench import is importable from here.
@@ -26,7 +26,7 @@ Every name the gateway, the tests and the bench import is importable from here.
 
 from __future__ import annotations
 
-from .asgi_side import Receive, body_consumed, watch_disconnect
+from .asgi_side import ClientWatch, Receive, body_consumed, watch_disconnect
 from .body import (
     BodyWrite,
     ChunkWriter,
@@ -43,6 +43,7 @@ from .refusal import refusal
 __all__ = [
     "BodyWrite",
     "ChunkWriter",
+    "ClientWatch",
     "Head",
     "PortableTCPServer",
     "Receive",

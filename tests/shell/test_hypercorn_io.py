@@ -1019,8 +1019,8 @@ async def test_a_small_requests_body_is_queued_before_its_app_runs() -> None:
     the app's ``receive`` returns a queued message at once and waits otherwise, and
     ``nowait`` gives what is queued or ``None``."""
     put_end, take_end = trio.open_memory_channel[Any](10)
-    put = asgi_side._putter(put_end)
     receive = hypercorn_io.Receive(take_end)
+    put = asgi_side._putter(put_end, receive)
     with trio.testing.assert_no_checkpoints():
         await put({"n": 1})
         await put({"n": 2})
@@ -1041,6 +1041,49 @@ async def test_a_small_requests_body_is_queued_before_its_app_runs() -> None:
         await trio.testing.wait_all_tasks_blocked()
         await put({"n": 4})
     assert got == [{"n": 4}]
+
+
+async def test_the_client_watch_cancels_on_the_connections_disconnect_with_no_task() -> None:
+    """``ClientWatch`` on the connections' own ``Receive``: the ``http.disconnect`` Hypercorn
+    puts calls ``on_leave`` and cancels the scope from the putting task itself (no task, no
+    queued message); before ``watch`` and after the block, a disconnect is queued as usual."""
+    put_end, take_end = trio.open_memory_channel[Any](10)
+    receive = hypercorn_io.Receive(take_end)
+    put = asgi_side._putter(put_end, receive)
+    left: list[bool] = []
+    tasks = len(trio.lowlevel.current_task().child_nurseries)
+    async with hypercorn_io.ClientWatch(receive) as watch:
+        assert len(trio.lowlevel.current_task().child_nurseries) == tasks  # no nursery
+        await put({"type": "http.request", "body": b"{}", "more_body": False})
+        watch.watch(lambda: left.append(watch.scope.cancel_called))
+        assert not watch.scope.cancel_called
+        await put({"type": "http.disconnect"})
+        assert left == [False] and watch.scope.cancel_called  # on_leave, then the cancel
+        await trio.lowlevel.checkpoint()
+        raise AssertionError("not cancelled")  # pragma: no cover
+    assert watch.scope.cancelled_caught
+    assert receive.on_disconnect is None
+    assert receive.nowait() == {"type": "http.request", "body": b"{}", "more_body": False}
+    assert receive.nowait() is None  # the disconnect went to the watch, not the queue
+    async with hypercorn_io.ClientWatch(receive) as watch:
+        watch.watch(lambda: left.append(True))
+    await put({"type": "http.disconnect"})  # the block has ended: queued, nobody called
+    assert left == [False] and receive.nowait() == {"type": "http.disconnect"}
+
+
+async def test_the_client_watch_runs_a_task_on_any_other_receive() -> None:
+    """On a ``receive`` that is not the connections' own (Hypercorn's queue, a test's), the
+    watch is ``watch_disconnect`` in a task: it drops other messages and cancels the scope at
+    ``http.disconnect``, calling ``on_leave``."""
+    put_end, take_end = trio.open_memory_channel[Any](10)
+    left: list[str] = []
+    with trio.fail_after(5):
+        async with hypercorn_io.ClientWatch(take_end.receive) as watch:
+            watch.watch(lambda: left.append("left"))
+            await put_end.send({"type": "http.request", "body": b"", "more_body": False})
+            await put_end.send({"type": "http.disconnect"})
+            await trio.sleep_forever()
+    assert left == ["left"] and watch.scope.cancelled_caught
 
 
 async def test_the_plain_read_loop_hands_over_every_read_then_closed() -> None:

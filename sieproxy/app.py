@@ -175,6 +175,7 @@ def create_app(state: GatewayState) -> Quart:
         return Response(_json.encode(_model_object(model_id)), content_type=_JSON_CT)
 
     @app.get("/healthz")
+    @app.get("/health")  # the alias benchmark tools (guidellm, vllm bench) probe
     async def healthz() -> Response:
         _auth("health")
         return Response(b'{"status":"ok"}', content_type=_JSON_CT)

@@ -21,11 +21,12 @@ render its own template and parse tools its own way. Field by field, from the pl
     stop                          → stop
     temperature, top_p, frequency_penalty, presence_penalty, logit_bias → the same names
     sampling_seed                 → seed
-    top_k, min_new_tokens, repetition_penalty, skip_special_tokens
+    top_k, min_new_tokens, repetition_penalty, skip_special_tokens, ignore_eos
                                   → top_k, min_tokens, repetition_penalty,
-                                    skip_special_tokens (the extra sampling fields vLLM and
-                                    SGLang's OpenAI server accept; an engine without them
-                                    ignores or refuses them: its 4xx becomes the client's 400)
+                                    skip_special_tokens, ignore_eos (the extra sampling
+                                    fields vLLM and SGLang's OpenAI server accept; an engine
+                                    without them ignores or refuses them: its 4xx becomes the
+                                    client's 400)
     json_schema                   → response_format {"type": "json_schema", ...}
     regex, ebnf                   → regex, ebnf (SGLang's OpenAI server's extra fields)
     return_logprob + top_logprobs_num → logprobs: N (the legacy API's top-N; 0 still returns
@@ -111,6 +112,7 @@ _SAME = (
     "top_k",
     "repetition_penalty",
     "skip_special_tokens",
+    "ignore_eos",
     "regex",
     "ebnf",
 )

@@ -680,6 +680,18 @@ class FakeEngine:
             self.port = await nursery.start(self._server.serve, host, port)
             task_status.started(self.port)
 
+    def drop_reused(self, count: int = 1, *, reset: bool = False) -> None:
+        """Close the connection, without answering, under the next ``count`` POSTs that arrive
+        on a reused keep-alive connection (``reset``: with a TCP RST): an engine closing an idle
+        connection as a request arrives. :attr:`dropped` counts them."""
+        self._server.drop_reused = count
+        self._server.drop_with_reset = reset
+
+    @property
+    def dropped(self) -> int:
+        """Requests closed unanswered by :meth:`drop_reused`."""
+        return self._server.dropped
+
     def close_listener(self) -> None:
         """Stop accepting: new connections are refused; open ones are still served."""
         self._server.close_listeners()

@@ -93,7 +93,7 @@ class Attempt:
     ) -> None:
         """Fresh candidates, each streamed by its own task (:meth:`run`) into its clone of
         ``send`` (closed here); ``sent[i]``: candidate ``i``'s request, already sent."""
-        cands = [Candidate(i, self.reader()) for i in range(len(self.bodies))]
+        cands = [Candidate(i, self.reader(i)) for i in range(len(self.bodies))]
         for c in cands:
             c.scope = trio.CancelScope(deadline=self.deadline)
         self.reset(cands)
@@ -106,10 +106,12 @@ class Attempt:
         self.cands = list(cands)
         self.unsent = [None] * len(cands)
 
-    def reader(self) -> CandidateReader:
-        """A new reader for one candidate's response, in the replica's protocol."""
+    def reader(self, i: int = 0) -> CandidateReader:
+        """A new reader for candidate ``i``'s response, in the replica's protocol."""
         return self.proto.reader(
-            incremental=self.replica.incremental, max_line=self.g.max_sse_line_bytes
+            incremental=self.replica.incremental,
+            max_line=self.g.max_sse_line_bytes,
+            body=self.bodies[i],
         )
 
     def open(self, i: int, until: float = math.inf) -> Exchange:

@@ -644,7 +644,7 @@ class ChatCollector(_CollectorBase):
 
     def _message_choice(self, new_index: int, c: ChoiceState) -> _Choice:
         msg = _Message("assistant", c.content)
-        if self.show_reasoning:
+        if self.show_reasoning or c.reasoning:  # (an engine's own: shown only if asked)
             msg.reasoning_content = c.reasoning
         calls = c.tool_calls
         if calls:

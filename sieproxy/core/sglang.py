@@ -535,7 +535,9 @@ class SGLangNative:
     ) -> tuple[str, dict[str, Any]]:
         return "/generate", body
 
-    def reader(self, *, incremental: bool, max_line: int) -> NativeReader:
+    def reader(
+        self, *, incremental: bool, max_line: int, body: dict[str, Any] | None = None
+    ) -> NativeReader:
         return NativeReader(incremental=incremental, max_line=max_line)
 
     def abort(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:

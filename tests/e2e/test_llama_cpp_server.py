@@ -1,6 +1,8 @@
 """The gateway in front of an OpenAI-compatible server written by someone else: llama.cpp's, as
 ``llama-cpp-python`` serves it, on the default model's GGUF (``protocol = "openai"``,
-docs/CONFIGURATION.md, "The OpenAI-compatible protocol").
+docs/CONFIGURATION.md, "The OpenAI-compatible protocol"), in both renderings: the engine's own
+(``render = "engine"``: chat to its ``/v1/chat/completions``) and the gateway's
+(``render = "gateway"``: the gateway's template, the prompt to its ``/v1/completions``).
 
 What the fake engine's OpenAI mode cannot prove is checked here against a real one: its
 ``/v1/completions`` stream as it really is (no ``/health``: the probe falls back to
@@ -82,7 +84,7 @@ class Gateway:
 
 
 @contextlib.asynccontextmanager
-async def _gateway(engine: str) -> AsyncIterator[Gateway]:
+async def _gateway(engine: str, render: str) -> AsyncIterator[Gateway]:
     # The engine first: idle again after the previous test (its answer is the readiness).
     assert await trio.to_thread.run_sync(_engine_ready, engine), "llama.cpp server is gone"
     # Candidates of one request queue at llama.cpp's server (one generation at a time), and a
@@ -95,7 +97,9 @@ async def _gateway(engine: str) -> AsyncIterator[Gateway]:
         models={
             MODEL: ModelSettings(
                 engines=[EngineSpec(url=engine, protocol="openai")],
-                tokenizer=str(resolve_model("default")),  # the gateway renders the template
+                render=render,
+                # Gateway rendering needs the model's template here.
+                tokenizer=str(resolve_model("default")) if render == "gateway" else None,
             )
         },
     )  # fmt: skip
@@ -112,9 +116,9 @@ async def _gateway(engine: str) -> AsyncIterator[Gateway]:
         nursery.cancel_scope.cancel()
 
 
-@pytest.fixture
-async def gw(llama_server: str) -> AsyncIterator[Gateway]:
-    async with _gateway(llama_server) as g:
+@pytest.fixture(params=["engine", "gateway"])
+async def gw(llama_server: str, request: pytest.FixtureRequest) -> AsyncIterator[Gateway]:
+    async with _gateway(llama_server, request.param) as g:
         yield g
 
 
@@ -131,10 +135,10 @@ async def test_the_openai_sdk_sync_and_async_through_llama_cpp(gw: Gateway) -> N
     chat, text = await trio.to_thread.run_sync(sync_calls)
     assert chat.choices[0].message.content  # type: ignore[attr-defined]
     assert chat.choices[0].finish_reason in ("stop", "length")  # type: ignore[attr-defined]
-    # llama.cpp's server sends no usage chunk: the gateway's own count (docs/CONFIGURATION.md).
+    # Without a usage chunk from the engine, the gateway's own count (docs/CONFIGURATION.md).
     usage = chat.usage  # type: ignore[attr-defined]
-    assert usage.completion_tokens > 0 and usage.prompt_tokens == 0
-    assert usage.total_tokens == usage.completion_tokens
+    assert usage.completion_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     assert text.choices[0].text and text.usage.completion_tokens <= 8  # type: ignore[attr-defined]
 
     client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)

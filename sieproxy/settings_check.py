@@ -159,6 +159,12 @@ def check_settings(s: Settings, where: str) -> None:
             f"model {s.embedded_engine.served_name!r} is also configured under [models]",
         )
     _check_fallbacks(s, bad)
+    if not s.models and not s.embedded_engine.enabled:
+        raise bad(
+            "models",
+            "no model is served: add a `[models.<name>]` table with its `engines`, or set "
+            "`[embedded_engine] enabled = true`",
+        )
 
 
 def _check_fallbacks(s: Settings, bad: Callable[[str, str], ConfigError]) -> None:

@@ -31,6 +31,7 @@ from .core.errors import (
 )
 from .core.events import CandidateFinish
 from .core.protocol import CandidateReader, protocol_for
+from .core.upstream_status import breaker_counts
 from .engine_client import EngineClient, Exchange, UpstreamResponse
 from .pool import ModelPool, Replica
 from .settings import GatewaySettings
@@ -211,7 +212,8 @@ class Attempt:
         if err is None:
             self.pool.record_success(self.replica)
             return None
-        if isinstance(err, UpstreamError) and err.status >= 500:
+        engine_status = getattr(err, "engine_status", None)  # (EngineHTTPError's)
+        if isinstance(err, UpstreamError) and breaker_counts(engine_status, err.status):
             self.pool.record_failure(self.replica)
         if cause in ("client", "done", "retry", "error"):
             return None

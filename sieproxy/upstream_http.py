@@ -38,7 +38,8 @@ import trio
 
 from .core.errors import EngineHTTPError, EngineTruncated, EngineUnreachable, GatewayError
 from .core.http1 import ConnectionClosed, FramingError, ResponseParser
-from .core.refusal import classify, engine_message
+from .core.refusal import classify_error
+from .core.upstream_status import REFUSALS
 
 __all__ = [
     "DRAIN_LIMIT",
@@ -366,17 +367,17 @@ class Exchange:
 
 
 def _status_error(status: int, body: bytes = b"") -> EngineHTTPError:
-    if status == 400:
+    if status in REFUSALS:
         msg = "The engine refused the request (for example, the prompt is too long)."
     elif status in (429, 503):
         msg = "The engine is busy or not ready; retry shortly."
     else:
         msg = f"The engine answered with HTTP {status}."
     err = EngineHTTPError(msg, engine_status=status)
-    if status == 400:  # the only status answered as the client's 400
+    if status in REFUSALS:  # answered as the client's 400 (core/upstream_status.py)
         try:
-            text = engine_message(msgspec.json.decode(body)) if body else None
+            obj = msgspec.json.decode(body) if body else None
         except msgspec.DecodeError:
-            text = None
-        err.refusal = classify(text)
+            obj = None
+        err.refusal = classify_error(obj)
     return err

@@ -248,6 +248,13 @@ class HTTPServer:
     connections_accepted: int = 0
     connections_open: int = 0
     listeners: list[trio.SocketListener] = field(default_factory=list)
+    #: The next this many POSTs that arrive on a connection which already served a request
+    #: get no answer: the connection is closed (``reset``: with a TCP RST) as they arrive,
+    #: as an engine does that closes an idle keep-alive connection while a request is on its
+    #: way (uvicorn closes idle ones after 5 s). ``dropped`` counts them.
+    drop_reused: int = 0
+    drop_with_reset: bool = False
+    dropped: int = 0
 
     async def serve(
         self,
@@ -287,6 +294,7 @@ class HTTPServer:
     async def _handle_connection(self, stream: trio.SocketStream) -> None:
         conn = HTTPConnection(stream)
         self.connections_open += 1
+        served = 0
         try:
             while True:
                 try:
@@ -296,6 +304,12 @@ class HTTPServer:
                     return
                 if request is None:
                     return
+                if served and self.drop_reused > 0 and request.method == "POST":
+                    self.drop_reused -= 1
+                    self.dropped += 1
+                    conn.reset() if self.drop_with_reset else conn.close_abruptly()
+                    return
+                served += 1
                 await self.handler(conn, request)
                 if not conn.prepare_next():
                     return

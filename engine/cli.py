@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -32,6 +33,10 @@ commands:
                    ~/.cache/torch_extensions); serve does both when needed, this only moves
                    the wait (about a minute on a fresh machine) out of the first start
   fake [args]      the scripted fake engine, for tests and benchmarks; see fake --help
+  check serve|fake [args]
+                   check serve's or fake's arguments with their own parser, and that serve's
+                   model exists, starting nothing: exit 0, or 2 with the problem on stderr
+                   (the gateway checks its embedded engine's settings so)
   launch --sglang [--host H] [--port P] [options] -- SGLANG ARGS
                    run python -m sglang.launch_server supervised: ready when GET /health
                    answers 200, restarted with backoff on a crash, stopped cleanly (SIGTERM to
@@ -70,7 +75,9 @@ def watch_parent(environ: dict[str, str] | None = None) -> None:
                 pass
         except OSError:
             pass
-        print("[sieproxy-engine] the gateway that started me is gone; stopping", file=sys.stderr)
+        with contextlib.suppress(OSError):  # (stderr may be a pipe the gateway read: gone)
+            print("[sieproxy-engine] the gateway that started me is gone; stopping",
+                  file=sys.stderr)  # fmt: skip
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(10)
         os._exit(1)
@@ -195,6 +202,29 @@ def _prepare(argv: Sequence[str]) -> int:
     return 0
 
 
+def _check(argv: Sequence[str]) -> int:
+    """``check serve|fake [args]``: the command's own parser (argparse exits 2 with its
+    message) and, for ``serve``, the model's lookup without converting or loading it."""
+    if not argv or argv[0] not in ("serve", "fake"):
+        print("sieproxy-engine check: give serve or fake, then its arguments", file=sys.stderr)
+        return 2
+    if argv[0] == "fake":
+        from engine.fake import build_parser
+
+        build_parser().parse_args(list(argv[1:]))
+        return 0
+    from engine.cpu.model_store import ModelNotFoundError, check_model  # type: ignore[import-not-found,unused-ignore]
+    from engine.cpu.server import parse_args  # type: ignore[import-not-found,unused-ignore]
+
+    args = parse_args(list(argv[1:]))
+    try:
+        check_model(args.model)
+    except ModelNotFoundError as exc:
+        print(f"sieproxy-engine serve: error: argument --model: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``sieproxy-engine``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -220,5 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(serve_main(rest) or 0)
     if command == "prepare":
         return _prepare(rest)
+    if command == "check":
+        return _check(rest)
     print(f"sieproxy-engine: unknown command {command!r}\n{_USAGE}", file=sys.stderr)
     return 2

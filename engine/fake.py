@@ -23,11 +23,15 @@ parsed request as a script sees it — and handed to the engine's *script*, any 
   makes both 404 (an engine that reports no load);
 - ``returns_logprobs = False`` accepts a request for logprobs and returns none (in either mode).
 
-``/v1/completions`` is the OpenAI-compatible mode (the gateway's ``protocol = "openai"``): one
-streamed prompt with ``n`` = 1, the same scripts and faults, framed as ``text_completion`` chunks
-with a usage chunk before ``[DONE]`` (``stream_options.include_usage``); it has no rid, so a
-request is recorded under a generated ``cmpl-`` id (or the name :attr:`FakeEngine.name_request`
-gives it) and a closed connection is its abort.
+``/v1/chat/completions`` (with ``n``, logprobs, and the reasoning and tool calls an engine's own
+parsers would send: see ``_chat_delta``) is what an OpenAI-compatible engine that renders chat
+itself serves; ``chat_only = True`` makes it the only generation route (with ``/v1/models``), as
+on hosted endpoints. ``/v1/completions`` is the OpenAI-compatible mode of a gateway that renders
+(``protocol = "openai"``, ``render = "gateway"``): one streamed prompt with ``n`` = 1, the same
+scripts and faults, framed as ``text_completion`` chunks with a usage chunk before ``[DONE]``
+(``stream_options.include_usage``); it has no rid, so a request is recorded under a generated
+``cmpl-`` id (or the name :attr:`FakeEngine.name_request` gives it) and a closed connection is
+its abort.
 
 Wire framing is exactly SGLang's: ``data: <compact json>\\n\\n`` per chunk, ``data: [DONE]\\n\\n``.
 The native ``/generate`` supports one prompt with ``n`` absent or 1: batches and ``n > 1`` get a
@@ -550,8 +554,12 @@ class FakeEngine:
         strict_sampling_params: bool = True,
         healthy: bool = True,
         vocab_size: int | None = None,
+        chat_only: bool = False,
     ) -> None:
         self.script: Script = script if script is not None else DefaultScript()
+        #: Serve only ``/v1/chat/completions`` and ``/v1/models`` (everything else 404, also
+        #: ``/health``), as hosted OpenAI-compatible endpoints and many proxies do.
+        self.chat_only = chat_only
         self.incremental = incremental
         self.abort_quirk = abort_quirk
         self.model_path = model_path
@@ -680,6 +688,18 @@ class FakeEngine:
             self.port = await nursery.start(self._server.serve, host, port)
             task_status.started(self.port)
 
+    def drop_reused(self, count: int = 1, *, reset: bool = False) -> None:
+        """Close the connection, without answering, under the next ``count`` POSTs that arrive
+        on a reused keep-alive connection (``reset``: with a TCP RST): an engine closing an idle
+        connection as a request arrives. :attr:`dropped` counts them."""
+        self._server.drop_reused = count
+        self._server.drop_with_reset = reset
+
+    @property
+    def dropped(self) -> int:
+        """Requests closed unanswered by :meth:`drop_reused`."""
+        return self._server.dropped
+
     def close_listener(self) -> None:
         """Stop accepting: new connections are refused; open ones are still served."""
         self._server.close_listeners()
@@ -695,7 +715,9 @@ class FakeEngine:
         self._counts["requests"] += 1
         path, method = req.path, req.method
         try:
-            if path == "/generate" and method in ("POST", "PUT"):
+            if self.chat_only and path not in ("/v1/chat/completions", "/v1/models"):
+                await self._json(conn, 404, {"detail": "Not Found"})
+            elif path == "/generate" and method in ("POST", "PUT"):
                 await self._generate(conn, req)
             elif path == "/v1/chat/completions" and method == "POST":
                 await self._chat(conn, req)
@@ -1181,6 +1203,8 @@ class FakeEngine:
         if body.get("seed") is not None:
             sp["sampling_seed"] = body["seed"]
         base = body.get("rid") if isinstance(body.get("rid"), str) else None
+        if base is None and self.name_request is not None and n == 1:
+            base = self.name_request(body)
         chat_id = base or "chatcmpl-" + uuid.uuid4().hex
         prompt_tokens = max(1, len(prompt.split()))
         gens: list[_Generation] = []
@@ -1190,10 +1214,12 @@ class FakeEngine:
                 "/v1/chat/completions", body, rid, base or "", prompt, prompt_tokens, sp,
                 stream, index=i,
             )  # fmt: skip
+            want = body.get("logprobs") is True and self.returns_logprobs
             gens.append(
                 _Generation(
-                    call, self.script(call), cumulative=False, return_logprob=False,
-                    top_logprobs_num=0, text_in_logprobs=False, no_stop_trim=False,
+                    call, self.script(call), cumulative=False, return_logprob=want,
+                    top_logprobs_num=int(body.get("top_logprobs") or 0),
+                    text_in_logprobs=True, no_stop_trim=False,
                 )
             )  # fmt: skip
         plan = gens[0].plan
@@ -1289,9 +1315,9 @@ class FakeEngine:
                     delta = g.final_text()[before:]
                     g.sent_text = max(before, len(g.final_text()))
                     if delta:
-                        out.append(frame([{"index": g.call.index, "delta": {
-                            "content": delta, "reasoning_content": None},
-                            "logprobs": None, "finish_reason": None}]))  # fmt: skip
+                        out.append(frame([{"index": g.call.index, "delta": _chat_delta(g, delta),
+                                           "logprobs": _chat_logprobs(g),
+                                           "finish_reason": None}]))  # fmt: skip
             if stream and out:
                 if not head_sent:
                     await conn.start_response(200, _SSE_HEADERS)
@@ -1322,7 +1348,8 @@ class FakeEngine:
                                          "choices": choices, "usage": usage})  # fmt: skip
             return "aborted" if aborted else "finished"
         out = [frame([{"index": g.call.index, "delta": {}, "logprobs": None,
-                       "finish_reason": ftype, "matched_stop": matched}])
+                       "finish_reason": "tool_calls" if getattr(g, "calls", 0) and ftype == "stop"
+                       else ftype, "matched_stop": matched}])
                for g, ftype, matched in finishes]  # fmt: skip
         opts = body.get("stream_options")
         if isinstance(opts, dict) and opts.get("include_usage"):
@@ -1344,6 +1371,44 @@ _KNOWN_PATHS = frozenset(
         "/get_model_info", "/v1/models", "/v1/loads", "/get_load",
     }
 )  # fmt: skip
+
+
+def _chat_delta(gen: _Generation, text: str) -> dict[str, Any]:
+    """The chat delta of ``text``, parsed as an engine with a reasoning and a tool-call parser
+    would (the scripts' tokens ``<think>`` / ``</think>`` and ``<tool_call>{json}</tool_call>``
+    are whole tokens): reasoning as ``reasoning_content``, a call as ``tool_calls``."""
+    state = gen.__dict__
+    if text == "<think>":
+        state["thinking"] = True
+        return {"reasoning_content": ""}
+    if text == "</think>":
+        state["thinking"] = False
+        return {"reasoning_content": ""}
+    if state.get("thinking"):
+        return {"reasoning_content": text}
+    if text.startswith("<tool_call>") and text.endswith("</tool_call>"):
+        call = json.loads(text[len("<tool_call>") : -len("</tool_call>")])
+        k = state["calls"] = state.get("calls", 0) + 1
+        fn = {"name": call["name"], "arguments": json.dumps(call["arguments"])}
+        return {"tool_calls": [{"index": k - 1, "id": f"call_fake_{k}", "type": "function",
+                                "function": fn}]}  # fmt: skip
+    return {"content": text, "reasoning_content": None}
+
+
+def _chat_logprobs(gen: _Generation) -> dict[str, Any] | None:
+    """The chat ``logprobs`` of the tokens not sent yet (None when not asked for)."""
+    if not gen.return_logprob:
+        return None
+    start = gen.__dict__.get("sent_lp", 0)
+    gen.__dict__["sent_lp"] = len(gen.lp)
+    content = []
+    for k in range(start, len(gen.lp)):
+        lp, _, tok = gen.lp[k]
+        row = gen.top[k] if k < len(gen.top) else []
+        content.append({"token": tok, "logprob": lp, "bytes": None,
+                        "top_logprobs": [{"token": t, "logprob": v, "bytes": None}
+                                         for v, _, t in row or ()]})  # fmt: skip
+    return {"content": content}
 
 
 def _sse(obj: Any) -> bytes:

@@ -175,6 +175,7 @@ def create_app(state: GatewayState) -> Quart:
         return Response(_json.encode(_model_object(model_id)), content_type=_JSON_CT)
 
     @app.get("/healthz")
+    @app.get("/health")  # the alias benchmark tools (guidellm, vllm bench) probe
     async def healthz() -> Response:
         _auth("health")
         return Response(b'{"status":"ok"}', content_type=_JSON_CT)
@@ -184,7 +185,11 @@ def create_app(state: GatewayState) -> Quart:
         _auth("health")
         status = {m: p.any_ready() for m, p in state.pools.items()}
         ok = all(status.values()) and not state.draining
-        body = _json.encode({"ready": ok, "models": status, "draining": state.draining})
+        out: dict[str, object] = {"ready": ok, "models": status, "draining": state.draining}
+        failed = {m: p.failed for m, p in state.pools.items() if p.failed is not None}
+        if failed:  # models whose engine was given up, and why
+            out["failed"] = failed
+        body = _json.encode(out)
         resp = Response(body, status=200 if ok else 503, content_type=_JSON_CT)
         if not ok:
             resp.headers["Retry-After"] = str(g.retry_after)

@@ -31,6 +31,7 @@ from .core.errors import (
 )
 from .core.events import CandidateFinish
 from .core.protocol import CandidateReader, protocol_for
+from .core.upstream_status import breaker_counts
 from .engine_client import EngineClient, Exchange, UpstreamResponse
 from .pool import ModelPool, Replica
 from .settings import GatewaySettings
@@ -93,7 +94,7 @@ class Attempt:
     ) -> None:
         """Fresh candidates, each streamed by its own task (:meth:`run`) into its clone of
         ``send`` (closed here); ``sent[i]``: candidate ``i``'s request, already sent."""
-        cands = [Candidate(i, self.reader()) for i in range(len(self.bodies))]
+        cands = [Candidate(i, self.reader(i)) for i in range(len(self.bodies))]
         for c in cands:
             c.scope = trio.CancelScope(deadline=self.deadline)
         self.reset(cands)
@@ -106,10 +107,12 @@ class Attempt:
         self.cands = list(cands)
         self.unsent = [None] * len(cands)
 
-    def reader(self) -> CandidateReader:
-        """A new reader for one candidate's response, in the replica's protocol."""
+    def reader(self, i: int = 0) -> CandidateReader:
+        """A new reader for candidate ``i``'s response, in the replica's protocol."""
         return self.proto.reader(
-            incremental=self.replica.incremental, max_line=self.g.max_sse_line_bytes
+            incremental=self.replica.incremental,
+            max_line=self.g.max_sse_line_bytes,
+            body=self.bodies[i],
         )
 
     def open(self, i: int, until: float = math.inf) -> Exchange:
@@ -209,7 +212,8 @@ class Attempt:
         if err is None:
             self.pool.record_success(self.replica)
             return None
-        if isinstance(err, UpstreamError) and err.status >= 500:
+        engine_status = getattr(err, "engine_status", None)  # (EngineHTTPError's)
+        if isinstance(err, UpstreamError) and breaker_counts(engine_status, err.status):
             self.pool.record_failure(self.replica)
         if cause in ("client", "done", "retry", "error"):
             return None

@@ -15,6 +15,13 @@ The child is tied to this process in three ways:
 - it gets a random per-launch token in ``$SIEPROXY_ENGINE_LAUNCH_TOKEN`` and reports it in
   ``/server_info``, so the gateway can tell its own engine from another process answering on
   the same port (see ``ModelPool.launch_token``).
+
+A child that exits before it was ever ready (``ready``: its replica passed a health check) failed
+to start: the first such exit is logged once as an error with the child's last lines of stderr
+(which is relayed to the gateway's own stderr as it comes), later ones as one warning line each;
+after ``max_failed_starts`` in a row it is not restarted again and ``on_failed`` gets the reason
+(the model is then ``failed``: its requests are answered ``503 engine_failed``, ``/readyz``
+names it). A child that was ready and exits is restarted, its count of failed starts reset.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import trio
@@ -49,6 +57,10 @@ PARENT_FD_ENV = "SIEPROXY_PARENT_FD"
 LAUNCH_TOKEN_ENV = "SIEPROXY_ENGINE_LAUNCH_TOKEN"
 
 
+#: Lines of a child's stderr kept for the report of a failed start.
+TAIL_LINES = 20
+
+
 async def supervise_child(
     argv: list[str],
     *,
@@ -57,17 +69,25 @@ async def supervise_child(
     backoff: float = 1.0,
     backoff_max: float = 30.0,
     stop_grace: float = 10.0,
+    ready: Callable[[], bool] | None = None,
+    max_failed_starts: int = 3,
+    on_failed: Callable[[str], None] | None = None,
 ) -> None:
-    """Run ``argv`` forever (restarting on exit) until cancelled; then stop it cleanly."""
+    """Run ``argv`` forever (restarting on exit) until cancelled; then stop it cleanly. With
+    ``ready``, a child that exits before it was ready counts as a failed start, and after
+    ``max_failed_starts`` in a row it stays down (module docstring)."""
     delay = backoff
+    failed = 0
     while True:
         started = trio.current_time()
+        tail: deque[str] = deque(maxlen=TAIL_LINES)
         watch_r, watch_w = os.pipe()  # both ends non-inheritable; only watch_r is passed on
         try:
             child_env = {**(os.environ if env is None else env), PARENT_FD_ENV: str(watch_r)}
             proc = await trio.lowlevel.open_process(
                 argv,
                 stdin=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
                 env=child_env,
                 pass_fds=(watch_r,),
                 start_new_session=True,
@@ -79,7 +99,14 @@ async def supervise_child(
             os.close(watch_r)
         log.info("%s started (pid %s)", name, proc.pid)
         try:
-            code = await proc.wait()
+            async with trio.open_nursery() as nursery:
+                assert proc.stderr is not None
+                relayed = trio.Event()
+                nursery.start_soon(_relay, proc.stderr, tail, relayed)
+                code = await proc.wait()
+                with trio.move_on_after(1.0):  # the rest of its stderr (a grandchild may hold it)
+                    await relayed.wait()
+                nursery.cancel_scope.cancel()
         except BaseException:
             with trio.move_on_after(stop_grace + 1, shield=True):
                 if proc.returncode is None:
@@ -94,11 +121,46 @@ async def supervise_child(
         finally:
             os.close(watch_w)
         _kill_group(proc.pid)
-        log.warning("%s exited with code %s; restarting in %.1fs", name, code, delay)
+        if ready is not None and not ready():
+            failed += 1
+            if failed >= max_failed_starts:
+                reason = (f"the engine exited during start-up {failed} times in a row "
+                          f"(last exit code {code})")  # fmt: skip
+                log.error("%s: %s; it stays down", name, reason)
+                if on_failed is not None:
+                    on_failed(reason)
+                return
+            if failed == 1:
+                lines = "\n".join(tail) or "(nothing on stderr)"
+                log.error("%s exited during start-up (code %s; restarting in %.1fs); its last "
+                          "lines:\n%s", name, code, delay, lines)  # fmt: skip
+            else:
+                log.warning("%s exited during start-up again (code %s): failed start %d of "
+                            "%d; restarting in %.1fs",
+                            name, code, failed, max_failed_starts, delay)  # fmt: skip
+        else:
+            failed = 0
+            log.warning("%s exited with code %s; restarting in %.1fs", name, code, delay)
         if trio.current_time() - started > 60:
             delay = backoff
         await trio.sleep(delay)
         delay = min(backoff_max, delay * 2)
+
+
+async def _relay(stream: trio.abc.ReceiveStream, tail: deque[str], done: trio.Event) -> None:
+    """Copy the child's stderr to ours as it comes, keeping its last lines in ``tail``; ``done``
+    at its end."""
+    partial_line = b""
+    with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError, OSError):
+        while data := await stream.receive_some(65536):
+            with contextlib.suppress(OSError):
+                os.write(2, data)
+            lines = (partial_line + data).split(b"\n")
+            partial_line = lines.pop()
+            tail.extend(ln.decode(errors="replace").rstrip() for ln in lines if ln.strip())
+    if partial_line.strip():
+        tail.append(partial_line.decode(errors="replace").rstrip())
+    done.set()
 
 
 def _kill_group(pgid: int) -> None:

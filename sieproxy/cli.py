@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from functools import partial
@@ -15,6 +16,7 @@ from . import __version__
 from .child import PortInUse
 from .core.reasoning import REASONING_PARSERS
 from .core.toolparse import TOOL_PARSERS
+from .engine_check import check_engine_setup
 from .quickstart import ModelFlags, serve_settings
 from .settings import ConfigError, as_dict
 
@@ -92,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     flags = ModelFlags(**{k: getattr(args, k, None) for k in ModelFlags.__dataclass_fields__})
     try:
         settings = serve_settings(args.config, flags)
+        where = args.config or os.environ.get("SIEPROXY_CONFIG") or "(settings)"
+        check_engine_setup(settings, where)  # the embedded engine's own parser, nothing started
     except ConfigError as exc:
         print(f"sieproxy: configuration error: {exc}", file=sys.stderr)
         return 2

@@ -116,9 +116,9 @@ class EngineClient:
         """How many connections can be checked out now without waiting for a slot."""
         return self._in_use.value
 
-    async def checkout(self, o: Origin) -> Conn:
+    async def checkout(self, o: Origin, fresh: bool = False) -> Conn:
         """A connection to ``o`` counted against ``max_connections`` (an idle one if a live one
-        is there, else a new one)."""
+        is there and not ``fresh``, else a new one)."""
         try:
             self._in_use.acquire_nowait()
         except trio.WouldBlock:
@@ -129,12 +129,13 @@ class EngineClient:
                     "Too many engine connections are in use; retry shortly."
                 ) from None
         try:
-            idle = self._idle.get(o.key)
+            idle = None if fresh else self._idle.get(o.key)
             now = trio.current_time()
             while idle:
                 c = idle.pop()
                 self._idle_count -= 1
                 if now - c.idle_since < _IDLE_EXPIRY and not c.dead():
+                    c.reused = True
                     return c
                 c.close()
             return await self._connect(o)

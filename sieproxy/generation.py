@@ -230,6 +230,13 @@ async def _start(
     conf = state.settings.models.get(plan.model)
     has_fallbacks = conf is not None and bool(conf.fallbacks)
     try:
+        if pool.failed is not None:  # the embedded engine was given up (sieproxy/child.py)
+            raise ServiceUnavailable(
+                f"The engine of model {plan.model!r} failed: {pool.failed}. The gateway's log "
+                "has its error; fix the engine's settings and restart the gateway.",
+                retry_after=g.retry_after,
+                code="engine_failed",
+            )
         replica = await pool.acquire(hints, len(plan.bodies))
     except ServiceUnavailable as exc:
         route = await fallbacks().next(cause_of(exc)) if has_fallbacks else None

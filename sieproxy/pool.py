@@ -131,6 +131,8 @@ class ModelPool:
         self._watch_with: tuple[trio.Nursery, EngineClient] | None = None
         #: False while the model's chat template is still being discovered from an engine.
         self.gate_open = True
+        #: Why the model's embedded engine was given up (``sieproxy.child``), else None.
+        self.failed: str | None = None
         #: The embedded engine's per-launch token: a replica becomes ready only once its
         #: ``/server_info`` reports it (another process on the port is never taken for it).
         self.launch_token: str | None = None

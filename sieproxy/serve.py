@@ -207,7 +207,20 @@ async def serve(
                     e.model, e.host, e.port, e.served_name, e.engine_args(), kind=e.kind
                 )
                 env = {**os.environ, LAUNCH_TOKEN_ENV: token}
-                outer.start_soon(partial(supervise_child, argv, name=f"{e.kind}-engine", env=env))
+                pool = state.pools[e.served_name]
+
+                def given_up(reason: str) -> None:
+                    pool.failed = reason
+
+                supervise = partial(
+                    supervise_child,
+                    argv,
+                    name=f"{e.kind}-engine",
+                    env=env,
+                    ready=lambda: any(r.ready for r in pool.replicas),
+                    on_failed=given_up,
+                )
+                outer.start_soon(supervise)
             if shutdown_trigger is None:
                 outer.start_soon(on_signals, stop, state, now, forced)
                 if os.environ.get(EXIT_WITH_PARENT_ENV, "").strip() in ("1", "true", "yes"):

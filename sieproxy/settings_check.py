@@ -143,6 +143,7 @@ def check_settings(s: Settings, where: str) -> None:
         if m.max_tool_calls < 1:
             raise bad(f"models.{name}.max_tool_calls", "must be >= 1")
         _check_parsers_and_template(name, m, bad)
+        _check_render(name, m, bad)
     if s.embedded_engine.kind not in ("cpu", "fake"):
         raise bad("embedded_engine.kind", "one of cpu, fake")
     if not 0 <= s.embedded_engine.port <= 65535:
@@ -158,6 +159,12 @@ def check_settings(s: Settings, where: str) -> None:
             f"model {s.embedded_engine.served_name!r} is also configured under [models]",
         )
     _check_fallbacks(s, bad)
+    if not s.models and not s.embedded_engine.enabled:
+        raise bad(
+            "models",
+            "no model is served: add a `[models.<name>]` table with its `engines`, or set "
+            "`[embedded_engine] enabled = true`",
+        )
 
 
 def _check_fallbacks(s: Settings, bad: Callable[[str, str], ConfigError]) -> None:
@@ -228,3 +235,33 @@ def _check_parsers_and_template(
             check_template(template)
         except ValueError as exc:
             raise bad(key, str(exc)) from None
+
+
+#: The values of a model's ``render`` (docs/CONFIGURATION.md, "Rendering").
+RENDER_MODES = ("engine", "gateway")
+
+
+def _check_render(name: str, m: ModelSettings, bad: Callable[[str, str], ConfigError]) -> None:
+    """Engine rendering needs engines that render (OpenAI-compatible ones); gateway rendering
+    for an OpenAI-compatible engine needs the model's template here (nothing to discover it
+    from: such an engine reports no tokenizer path)."""
+    key = f"models.{name}.render"
+    if m.render is not None and m.render not in RENDER_MODES:
+        raise bad(key, f'one of "engine", "gateway", not {m.render!r}')
+    protocols = {e.protocol if isinstance(e, EngineSpec) else "sglang" for e in m.engines}
+    if m.engines_file:
+        protocols.add("sglang")  # (an engines file lists SGLang engines)
+    mode = m.render_mode()
+    if mode == "engine" and protocols != {"openai"}:
+        raise bad(
+            key,
+            '"engine" needs every engine of the model on `protocol = "openai"` (SGLang\'s '
+            '/generate takes a prompt the gateway rendered); set `render = "gateway"`',
+        )
+    if mode == "gateway" and "openai" in protocols and not (m.tokenizer or m.chat_template):
+        raise bad(
+            key,
+            f'"gateway" rendering for an OpenAI-compatible engine needs the model\'s chat '
+            f"template: set `models.{name}.tokenizer` (a tokenizer directory) or "
+            f'`models.{name}.chat_template`, or `render = "engine"` (the engine renders)',
+        )

@@ -150,6 +150,20 @@ class ModelSettings(_Conf):
     #: Replica choice: ``prefix`` (affinity on the client's key, else the prompt's leading
     #: block), ``key_only`` (the client's key only), ``least_loaded`` (no affinity).
     routing: str = "prefix"
+    #: Who renders a chat request: ``"engine"`` (an OpenAI-compatible engine's own
+    #: ``/v1/chat/completions``, its template and parsers; the default when every engine is
+    #: ``protocol = "openai"``) or ``"gateway"`` (this model's template here; the default
+    #: otherwise, and it then needs ``tokenizer`` or ``chat_template`` for OpenAI engines).
+    render: str | None = None
+
+    def render_mode(self) -> str:
+        """``render``, or its default (see there)."""
+        if self.render is not None:
+            return self.render
+        openai = self.engines and all(
+            isinstance(e, EngineSpec) and e.protocol == "openai" for e in self.engines
+        )
+        return "engine" if openai and not self.engines_file else "gateway"
 
 
 class EmbeddedEngine(_Conf):

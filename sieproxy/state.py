@@ -117,6 +117,7 @@ def _profile(name: str, m: ModelSettings, settings: Settings) -> ModelProfile:
         chat_template=template,
         template_vars=variables,
         stop=tuple(m.stop),
+        render=m.render_mode(),
         pools=frozenset(s.pool for s in engine_specs(m) if s.pool),
         machine_profiles=frozenset(s.machine_profile for s in engine_specs(m) if s.machine_profile),
     )
@@ -148,7 +149,7 @@ def build_state(settings: Settings) -> GatewayState:
     if settings.embedded_engine.enabled:
         pools[settings.embedded_engine.served_name].launch_token = secrets.token_urlsafe(16)
     for name, m in models.items():
-        if not m.tokenizer and not m.chat_template:
+        if not m.tokenizer and not m.chat_template and m.render_mode() == "gateway":
             pools[name].gate_open = False  # discover the template from the engine first
     active: set[GenerationBody] = set()
 

@@ -10,8 +10,19 @@ the per-chunk read.
 The connections belong to a pool (``ConnectionPool``: ``sieproxy.engine_client.EngineClient``,
 which also owns keep-alive, the connection caps and the timeouts); an ``Exchange`` checks one
 out for one request and back in at its end. Socket and framing failures on an open connection
-become ``EngineTruncated`` here, a non-200 answer ``EngineHTTPError``. A stream that is left
-early is closed, never returned to the pool half-read.
+become ``EngineTruncated`` here (a connection the engine closed is named so, never "malformed"),
+a non-200 answer ``EngineHTTPError``. A stream that is left early is closed, never returned to
+the pool half-read.
+
+A reused keep-alive connection can be closed by the engine at any moment while it is idle
+(uvicorn closes idle ones after 5 s; the pool's idle check and expiry narrow the window but
+cannot close it: the engine may close it while the request is on its way). A request written
+on a *reused* connection that then gets no byte of a response (the write breaks, or the
+connection ends or is reset before the first byte) is therefore written once more, on a fresh
+connection to the same engine, before the caller sees anything, as mature HTTP clients do; the
+engine cannot have started it (a server closes only connections idle between requests). Any
+other failure, and the same failure on a fresh connection, is the caller's (retry rules,
+errors).
 """
 
 from __future__ import annotations
@@ -26,8 +37,9 @@ import msgspec
 import trio
 
 from .core.errors import EngineHTTPError, EngineTruncated, EngineUnreachable, GatewayError
-from .core.http1 import FramingError, ResponseParser
-from .core.refusal import classify, engine_message
+from .core.http1 import ConnectionClosed, FramingError, ResponseParser
+from .core.refusal import classify_error
+from .core.upstream_status import REFUSALS
 
 __all__ = [
     "DRAIN_LIMIT",
@@ -67,6 +79,8 @@ class Conn:
     #: that succeeds at once, and per-call wrappers (docs/DESIGN.md). TLS uses ``stream``.
     plain: bool = False
     tls_read: bytes | None = None  # TLS: what ``wait_readable`` read
+    #: Taken from the idle pool (it carried an earlier exchange): the engine may have closed it.
+    reused: bool = False
 
     async def send_all(self, data: bytes) -> None:
         if not self.plain:
@@ -126,8 +140,9 @@ class ConnectionPool(Protocol):
         """Seconds a request may take to be written (``gateway.connect_timeout``)."""
         ...
 
-    async def checkout(self, o: Origin) -> Conn:
-        """A connection to ``o``, counted against the pool's cap until checked in."""
+    async def checkout(self, o: Origin, fresh: bool = False) -> Conn:
+        """A connection to ``o``, counted against the pool's cap until checked in (``fresh``:
+        a new one, never an idle one)."""
         ...
 
     def checkin(self, o: Origin, c: Conn, reusable: bool) -> None:
@@ -137,6 +152,10 @@ class ConnectionPool(Protocol):
 
 def _truncated(exc: BaseException, message: str) -> EngineTruncated:
     """The gateway error for a socket or framing failure on an open engine connection."""
+    if isinstance(exc, ConnectionClosed):
+        if exc.head:
+            return EngineTruncated("The engine closed the connection before answering.")
+        return EngineTruncated("The engine closed the connection before the response's end.")
     if isinstance(exc, FramingError):
         return EngineTruncated("The engine sent a malformed HTTP response.")
     return EngineTruncated(message)
@@ -252,44 +271,51 @@ class Exchange:
         """Check out a connection and write the request (it is sent once this returns: the
         exchange then holds the connection)."""
         assert self._conn is None and self._resp is None
-        client, deadline = self._client, self._deadline
         try:
-            with trio.CancelScope(deadline=deadline) as scope:
-                c = self._conn = await client.checkout(self._origin)
-                scope.deadline = min(deadline, trio.current_time() + client.connect_timeout)
-                try:
-                    await c.send_all(self._data)
-                except _BROKEN as exc:
-                    raise _truncated(exc, _BROKE_BEFORE) from exc
-            if scope.cancelled_caught:  # this scope's deadline fired
-                if scope.deadline < deadline:
-                    raise EngineUnreachable("The engine did not take the request in time.")
-                raise trio.TooSlowError
+            if not await self._write(fresh=False):
+                self._drop()  # a reused connection the engine had closed: once more, fresh
+                await self._write(fresh=True)
         except BaseException:
             self._release()
             raise
 
+    async def _write(self, *, fresh: bool) -> bool:
+        """Check out a connection (``fresh``: a new one) and write the request on it; false
+        when the write broke on a reused connection (see the module docstring)."""
+        client, deadline = self._client, self._deadline
+        with trio.CancelScope(deadline=deadline) as scope:
+            c = self._conn = await client.checkout(self._origin, fresh)
+            scope.deadline = min(deadline, trio.current_time() + client.connect_timeout)
+            try:
+                await c.send_all(self._data)
+            except _BROKEN as exc:
+                if c.reused and not fresh:
+                    return False
+                raise _truncated(exc, _BROKE_BEFORE) from exc
+        if scope.cancelled_caught:  # this scope's deadline fired
+            if scope.deadline < deadline:
+                raise EngineUnreachable("The engine did not take the request in time.")
+            raise trio.TooSlowError
+        return True
+
+    def _drop(self) -> None:
+        """Close the exchange's connection (never reused) and forget it."""
+        c, self._conn = self._conn, None
+        if c is not None:
+            self._client.checkin(self._origin, c, False)
+
     async def __aenter__(self) -> UpstreamResponse:
         if self._conn is None:
             await self.send()
-        c = self._conn
-        assert c is not None
         try:
-            with trio.CancelScope(deadline=self._deadline):
-                try:
-                    parser = ResponseParser()
-                    rest = b""
-                    while parser.status is None:
-                        got = await c.receive()
-                        if not got:
-                            parser.eof()
-                        rest = parser.feed(got)
-                except (FramingError, *_BROKEN) as exc:
-                    raise _truncated(exc, _BROKE_BEFORE) from exc
-                self._resp = UpstreamResponse(c, parser, rest)
-            resp = self._resp
-            if resp is None:  # the deadline fired
-                raise trio.TooSlowError
+            resp = await self._head()
+            if resp is None:  # a reused connection the engine had closed: once more, fresh
+                self._drop()
+                await self._write(fresh=True)
+                resp = await self._head()
+            if resp is None:  # (a fresh connection never asks for another)
+                raise EngineTruncated("The engine closed the connection before answering.")
+            self._resp = resp
             if self._ok_only and resp.status != 200:
                 text = b""
                 with contextlib.suppress(GatewayError):
@@ -298,6 +324,36 @@ class Exchange:
         except BaseException:
             self._release()
             raise
+        return resp
+
+    async def _head(self) -> UpstreamResponse | None:
+        """The response head on the exchange's connection; ``None`` when a reused connection
+        ended (or was reset) before the response's first byte."""
+        c = self._conn
+        assert c is not None
+        seen = False  # a byte of the response arrived
+        resp: UpstreamResponse | None = None
+        with trio.CancelScope(deadline=self._deadline):
+            try:
+                parser = ResponseParser()
+                rest = b""
+                while parser.status is None:
+                    got = await c.receive()
+                    if not got:
+                        if not seen and c.reused:
+                            return None
+                        parser.eof()
+                    seen = True
+                    rest = parser.feed(got)
+            except _BROKEN as exc:
+                if not seen and c.reused:
+                    return None
+                raise _truncated(exc, _BROKE_BEFORE) from exc
+            except FramingError as exc:
+                raise _truncated(exc, _BROKE_BEFORE) from exc
+            resp = UpstreamResponse(c, parser, rest)
+        if resp is None:  # the deadline fired
+            raise trio.TooSlowError
         return resp
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -311,17 +367,17 @@ class Exchange:
 
 
 def _status_error(status: int, body: bytes = b"") -> EngineHTTPError:
-    if status == 400:
+    if status in REFUSALS:
         msg = "The engine refused the request (for example, the prompt is too long)."
     elif status in (429, 503):
         msg = "The engine is busy or not ready; retry shortly."
     else:
         msg = f"The engine answered with HTTP {status}."
     err = EngineHTTPError(msg, engine_status=status)
-    if status == 400:  # the only status answered as the client's 400
+    if status in REFUSALS:  # answered as the client's 400 (core/upstream_status.py)
         try:
-            text = engine_message(msgspec.json.decode(body)) if body else None
+            obj = msgspec.json.decode(body) if body else None
         except msgspec.DecodeError:
-            text = None
-        err.refusal = classify(text)
+            obj = None
+        err.refusal = classify_error(obj)
     return err

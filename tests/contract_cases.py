@@ -190,12 +190,25 @@ CHAT_CASES: list[Case] = [
     ok("chat-stream-options-usage", _C(stream=True, stream_options={"include_usage": True})),
     ok("chat-stream-options-without-stream", _C(stream_options={"include_usage": True})),
     ok("chat-stream-options-empty", _C(stream=True, stream_options={})),
+    ok(
+        "chat-stream-options-continuous-usage",
+        _C(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}),
+    ),
+    bad(
+        "chat-stream-options-continuous-usage-type",
+        _C(stream=True, stream_options={"continuous_usage_stats": 1}),
+        "stream_options.continuous_usage_stats",
+    ),
     bad(
         "chat-stream-options-unknown",
-        _C(stream=True, stream_options={"continuous_usage_stats": True}),
-        "stream_options.continuous_usage_stats",
+        _C(stream=True, stream_options={"obfuscation": True}),
+        "stream_options.obfuscation",
         UNSUPPORTED,
     ),
+    # ---- ignore_eos (extension: benchmark tools send it)
+    ok("chat-ignore-eos", _C(ignore_eos=True, stop=None)),
+    ok("chat-ignore-eos-false", _C(ignore_eos=False)),
+    bad("chat-ignore-eos-string", _C(ignore_eos="yes"), "ignore_eos"),
     bad(
         "chat-stream-options-usage-type",
         _C(stream=True, stream_options={"include_usage": "yes"}),
@@ -808,12 +821,19 @@ COMPLETIONS_CASES: list[Case] = [
     cbad("cmpl-stop-number", _P(stop=[1]), "stop[0]"),
     # chat-only fields are unknown here
     cbad("cmpl-top-k", _P(top_k=5), "top_k", UNSUPPORTED),
+    cok("cmpl-stream-options", _P(stream=True, stream_options={"include_usage": True})),
+    cok(
+        "cmpl-stream-options-continuous-usage",
+        _P(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}),
+    ),
     cbad(
-        "cmpl-stream-options",
-        _P(stream_options={"include_usage": True}),
-        "stream_options",
+        "cmpl-stream-options-unknown",
+        _P(stream_options={"obfuscation": True}),
+        "stream_options.obfuscation",
         UNSUPPORTED,
     ),
+    cok("cmpl-ignore-eos", _P(ignore_eos=True, stop=None)),
+    cbad("cmpl-ignore-eos-int", _P(ignore_eos=1), "ignore_eos"),
 ]
 
 CASES: list[Case] = CHAT_CASES + COMPLETIONS_CASES

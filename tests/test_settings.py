@@ -143,7 +143,10 @@ def test_bad_file_names_file_key_problem(
 
 
 def test_zero_is_a_setting_for_admission_wait_and_keepalive(tmp_path: Path) -> None:
-    text = "[gateway]\nadmission_wait = 0\nmax_keepalive_connections = 0\n"
+    text = (
+        "[gateway]\nadmission_wait = 0\nmax_keepalive_connections = 0\n"
+        "[models.m]\nengines = ['http://127.0.0.1:9']\n"  # (a file must serve a model)
+    )
     g = load_settings(_write(tmp_path, text)).gateway
     assert (g.admission_wait, g.max_keepalive_connections) == (0, 0)
 

@@ -154,6 +154,26 @@ def _embed_chat_template(out: Path, template: object) -> None:
     config_path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
+def check_model(spec: str | os.PathLike[str] | None = None) -> None:
+    """Raise :class:`ModelNotFoundError` unless :func:`resolve_model` can find ``spec`` (the
+    same rules, without converting or loading anything)."""
+    text = "" if spec is None else os.fspath(spec)
+    if text.strip().lower() in DEFAULT_MODEL_ALIASES:
+        default_gguf_path()
+        return
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return
+        raise ModelNotFoundError(f"{path} is a directory without config.json")
+    if path.is_file() and path.suffix == ".gguf":
+        return
+    raise ModelNotFoundError(
+        f"model {text!r} not found: give a local HF model directory, a .gguf file, "
+        f"or 'default' ({DEFAULT_MODEL_NAME})"
+    )
+
+
 def resolve_model(spec: str | os.PathLike[str] | None = None) -> Path:
     """Map a ``--model`` value to a local HF model directory, converting GGUF on first use.
 

@@ -15,6 +15,9 @@ Each candidate's text runs through a fixed pipeline::
 - The reasoning parser splits reasoning from content. With ``include_reasoning`` false the
   reasoning is dropped (the engine still counts its tokens in ``completion_tokens``).
 - The tool-call parser turns content into plain content plus tool-call deltas.
+- An engine that parsed its output itself (``core.openai_chat``) sends reasoning and tool-call
+  fragments beside the text (``CandidateDelta.reasoning`` / ``tool_calls``): they join what the
+  parsers (then absent) would have produced, shown or hidden by the same rules.
 - Logprobs wait in ``pending`` until the pipeline produces visible output, and ride on that
   delta. If a delta produced only *hidden* reasoning (or nothing, right after hidden
   reasoning, e.g. a closing tag), its pending logprobs are dropped, so private reasoning does
@@ -247,10 +250,10 @@ class ChoiceState:
             self.cumulative_logprob += lp.logprob
         if self.want_logprobs:
             self._pending.extend(delta.logprobs)
-        if self.plain and not self._pending:
+        if self.plain and not self._pending and not (delta.tool_calls or delta.reasoning):
             return ChoiceDelta(delta.text)
         safe, matched = self._stop.feed(delta.text)
-        out = self._process(safe, final=False)
+        out = self._process(safe, final=False, parsed=delta)
         if matched:
             self.stop_matched = True
             self._to(ChoiceEvent.STOP_MATCH)
@@ -286,7 +289,11 @@ class ChoiceState:
 
     # ------------------------------------------------------------------ pipeline
 
-    def _process(self, text: str, *, final: bool) -> ChoiceDelta:
+    def _process(
+        self, text: str, *, final: bool, parsed: CandidateDelta | None = None
+    ) -> ChoiceDelta:
+        """``text`` through the parsers; ``parsed``: what the engine parsed itself (its
+        reasoning and tool calls, which go before the text's)."""
         reasoning, content = "", text
         if self._reasoning is not None:
             reasoning, content = self._reasoning.feed(text) if text else ("", "")
@@ -301,6 +308,9 @@ class ChoiceState:
                 c2, t2 = self._tools.flush()
                 content += c2
                 calls = calls + t2
+        if parsed is not None and (parsed.reasoning or parsed.tool_calls):
+            reasoning = parsed.reasoning + reasoning
+            calls = parsed.tool_calls + calls
         hidden = bool(reasoning) and not self.include_reasoning
         if hidden:
             reasoning = ""

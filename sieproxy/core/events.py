@@ -60,6 +60,10 @@ class CandidateDelta(Struct, gc=False):
     #: The prompt's tokens as the engine reported them with this output (0: not reported), so
     #: a candidate that never finishes (its client left, an error) still counts its prompt.
     prompt_tokens: int = 0
+    #: Output the engine parsed itself (an engine that renders and parses, ``core.openai_chat``):
+    #: reasoning, and tool-call fragments; ``text`` is then the content only.
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = []
 
 
 class CandidateFinish(Struct, gc=False):

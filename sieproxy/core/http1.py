@@ -16,7 +16,7 @@ larger than ``max_body`` bytes all raise :class:`FramingError`.
 
 from __future__ import annotations
 
-__all__ = ["FramingError", "ResponseParser", "request_head"]
+__all__ = ["ConnectionClosed", "FramingError", "ResponseParser", "request_head"]
 
 _CRLF = b"\r\n"
 _MAX_LINE = 1024  # chunk-size line (with extensions) or one trailer line
@@ -28,6 +28,16 @@ _FAST_LINE = 17
 
 class FramingError(ValueError):
     """The peer's bytes are not a valid HTTP/1.1 response (or exceed a limit)."""
+
+
+class ConnectionClosed(FramingError):
+    """The peer closed the connection before the response's end (``head``: before a complete
+    response head; ``nothing``: before its first byte)."""
+
+    def __init__(self, message: str, *, head: bool, nothing: bool = False) -> None:
+        super().__init__(message)
+        self.head = head
+        self.nothing = nothing
 
 
 def request_head(method: str, target: str, host: str, content_length: int) -> bytes:
@@ -129,9 +139,15 @@ class ResponseParser:
         if self._state == _CLOSE:
             self._set(_DONE)
         elif self._state == _HEAD:
-            raise FramingError("connection closed before a complete response head")
+            raise ConnectionClosed(
+                "connection closed before a complete response head",
+                head=True,
+                nothing=not self._buf,
+            )
         elif self._state != _DONE:
-            raise FramingError("connection closed before the end of the response body")
+            raise ConnectionClosed(
+                "connection closed before the end of the response body", head=False
+            )
 
     # ------------------------------------------------------------------ head
     def _head(self, data: bytes) -> bytes:

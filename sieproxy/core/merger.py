@@ -15,6 +15,10 @@ builders only shape output, and guarantee the order contract of ``spec/README.md
     on_delta(i)    zero or more content / reasoning / tool-call chunks of choice i
     on_finish(i)   flushed tail of choice i, then its closure chunk with finish_reason, once
     end()          usage chunk (include_usage), then data: [DONE]
+
+With ``stream_options.continuous_usage_stats`` (an SIE extension, vLLM's name) every chunk
+carries ``usage``: the running counts (prompt once, completion tokens so far summed over the
+choices), the final usage chunk unchanged.
     on_error(e)    data: {"error": envelope}, then data: [DONE]      (instead of end())
 
 The stream's own state table (anything else raises :class:`MergerError`, and the builder is
@@ -247,13 +251,33 @@ _STREAM_TRANSITIONS: dict[tuple[StreamPhase, _Ev], StreamPhase] = {
 class _StreamBase:
     """Envelope prefix, state table, choice lookup, error and end framing."""
 
-    __slots__ = ("_affixes", "_head", "_tail", "choices", "ends", "include_usage", "phase")
+    __slots__ = (
+        "_affixes",
+        "_head",
+        "_tail",
+        "choices",
+        "continuous",
+        "ends",
+        "include_usage",
+        "phase",
+    )
 
     _object: str = ""
 
-    def __init__(self, *, response_id: str, model: str, created: int, include_usage: bool) -> None:
+    def __init__(
+        self,
+        *,
+        response_id: str,
+        model: str,
+        created: int,
+        include_usage: bool,
+        continuous: bool = False,
+    ) -> None:
         self.phase = StreamPhase.NEW
         self.include_usage = include_usage
+        #: ``continuous_usage_stats``: every chunk carries the running usage (then no chunk
+        #: takes the text fast path, whose bytes after the text are fixed).
+        self.continuous = continuous
         self._head = b"".join(
             (
                 b'data: {"id":',
@@ -293,6 +317,10 @@ class _StreamBase:
         """The chunk ``_chunk`` writes for ``_text_choice(index, text)``, byte for byte, from
         the bytes around the text (``text_affixes``): the common chunk of a stream (a token of
         text) then costs one string encoding instead of two Structs and their encoding."""
+        if self.continuous:
+            out = bytearray()
+            self._chunk(out, self._text_choice(index, text))
+            return bytes(out)
         affixes = self._affixes
         pre, post = affixes[index] if index < len(affixes) else self.text_affixes(index)
         return b"".join((pre, _enc.encode(text), post))
@@ -333,6 +361,11 @@ class _StreamBase:
     def _chunk(self, out: bytearray, choice: Struct) -> None:
         out += self._head
         _enc.encode_into(choice, out, -1)
+        if self.continuous:  # the usage so far: every choice's tokens, the prompt once
+            out += b'],"usage":'
+            out += _enc.encode(_usage(self.choices, self.choices))
+            out += b"}\n\n"
+            return
         out += self._tail
 
     def finished(self, index: int) -> bool:
@@ -385,6 +418,7 @@ class ChatStream(_StreamBase):
             model=model,
             created=created,
             include_usage=valid.include_usage,
+            continuous=valid.continuous_usage,
         )
         if valid.candidates != valid.n:
             raise MergerError("Internal error: best_of cannot be streamed.")
@@ -447,7 +481,8 @@ class ChatStream(_StreamBase):
 
 
 class CompletionStream(_StreamBase):
-    """A streaming legacy ``text_completion`` response (one choice, no role chunk, no usage)."""
+    """A streaming legacy ``text_completion`` response (one choice, no role chunk; the usage
+    chunk and the running usage as ``stream_options`` asks)."""
 
     __slots__ = ()
 
@@ -456,7 +491,13 @@ class CompletionStream(_StreamBase):
     def __init__(
         self, valid: ValidCompletion, *, response_id: str, model: str, created: int
     ) -> None:
-        super().__init__(response_id=response_id, model=model, created=created, include_usage=False)
+        super().__init__(
+            response_id=response_id,
+            model=model,
+            created=created,
+            include_usage=valid.include_usage,
+            continuous=valid.continuous_usage,
+        )
         self.choices = [ChoiceState(0, stops=valid.stop, collect=False, ends=self.ends)]
 
     def start(self) -> bytes:
@@ -603,7 +644,7 @@ class ChatCollector(_CollectorBase):
 
     def _message_choice(self, new_index: int, c: ChoiceState) -> _Choice:
         msg = _Message("assistant", c.content)
-        if self.show_reasoning:
+        if self.show_reasoning or c.reasoning:  # (an engine's own: shown only if asked)
             msg.reasoning_content = c.reasoning
         calls = c.tool_calls
         if calls:

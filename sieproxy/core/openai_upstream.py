@@ -21,11 +21,12 @@ render its own template and parse tools its own way. Field by field, from the pl
     stop                          → stop
     temperature, top_p, frequency_penalty, presence_penalty, logit_bias → the same names
     sampling_seed                 → seed
-    top_k, min_new_tokens, repetition_penalty, skip_special_tokens
+    top_k, min_new_tokens, repetition_penalty, skip_special_tokens, ignore_eos
                                   → top_k, min_tokens, repetition_penalty,
-                                    skip_special_tokens (the extra sampling fields vLLM and
-                                    SGLang's OpenAI server accept; an engine without them
-                                    ignores or refuses them: its 4xx becomes the client's 400)
+                                    skip_special_tokens, ignore_eos (the extra sampling
+                                    fields vLLM and SGLang's OpenAI server accept; an engine
+                                    without them ignores or refuses them: its 4xx becomes the
+                                    client's 400)
     json_schema                   → response_format {"type": "json_schema", ...}
     regex, ebnf                   → regex, ebnf (SGLang's OpenAI server's extra fields)
     return_logprob + top_logprobs_num → logprobs: N (the legacy API's top-N; 0 still returns
@@ -45,6 +46,10 @@ stop) ends the candidate, whose finish is emitted when the usage chunk (``choice
 arrives, the completion count is the number of logprob tokens (else of text chunks) seen. A
 payload with an ``error`` object is the engine failing mid-stream (4xx codes: refusals).
 
+A planned body with a ``chat`` key is a chat the engine renders (``render = "engine"``, the
+default for these engines): :mod:`sieproxy.core.openai_chat` makes its request (to
+``/v1/chat/completions``) and its reader; what follows is the gateway-rendered mode's.
+
 The abort is closing the candidate's connection (:meth:`OpenAICompat.abort` is ``None``);
 health is ``/health``, else ``/v1/models``.
 """
@@ -58,18 +63,15 @@ import msgspec
 
 from .errors import (
     EngineMalformed,
-    EngineStreamError,
     EngineTruncated,
     GatewayError,
     InvalidRequest,
 )
 from .events import CandidateDelta, CandidateFinish, TokenLogprob, TopLogprob
-from .refusal import engine_stream_error
+from .openai_chat import NEG_INF_LOGPROB, OpenAIChatReader, chat_request, stream_error
 from .sse import SSEDecoder
 
 __all__ = ["OPENAI", "OpenAICompat", "OpenAIReader"]
-
-NEG_INF_LOGPROB = -9999.0
 
 
 class _Logprobs(msgspec.Struct, gc=False):
@@ -111,16 +113,11 @@ _SAME = (
     "top_k",
     "repetition_penalty",
     "skip_special_tokens",
+    "ignore_eos",
     "regex",
     "ebnf",
 )
 _RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
-
-
-def _stream_error(error: Any) -> EngineStreamError:
-    if isinstance(error, dict) and isinstance(error.get("code"), str) and error["code"].isdigit():
-        error = {**error, "code": int(error["code"])}  # vLLM and others send it as a string
-    return engine_stream_error(error)
 
 
 class OpenAIReader:
@@ -170,7 +167,7 @@ class OpenAIReader:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise EngineMalformed() from exc
         if chunk.error is not None:
-            raise _stream_error(chunk.error)
+            raise stream_error(chunk.error)
         if self._finished or len(chunk.choices) > 1:
             raise EngineMalformed()
         if chunk.choices:
@@ -240,6 +237,8 @@ class OpenAICompat:
     def request(
         self, body: dict[str, Any], endpoint: str, model: str
     ) -> tuple[str, dict[str, Any]]:
+        if "chat" in body:  # a chat the engine renders (``core.openai_chat``)
+            return chat_request(body, model)
         if body.get("image_data"):
             raise InvalidRequest(
                 "Images are not supported by this model's engine (an OpenAI-compatible "
@@ -270,7 +269,11 @@ class OpenAICompat:
             out["logprobs"] = int(body.get("top_logprobs_num") or 0)
         return "/v1/completions", out
 
-    def reader(self, *, incremental: bool, max_line: int) -> OpenAIReader:
+    def reader(
+        self, *, incremental: bool, max_line: int, body: dict[str, Any] | None = None
+    ) -> OpenAIReader | OpenAIChatReader:
+        if body is not None and "chat" in body:
+            return OpenAIChatReader(max_line=max_line)
         return OpenAIReader(max_line=max_line)
 
     def abort(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:

@@ -18,10 +18,12 @@ from .affinity import prefix_key
 from .errors import GatewayError, NotFound, RequestError
 from .events import CandidateDelta, CandidateFinish, ReasoningParser, ToolCallParser
 from .merger import ChatCollector, ChatStream, CompletionCollector, CompletionStream
+from .openai_chat import plan_engine_chat
 from .plan import ChatPlan, merge_stops, plan_chat, plan_completion
 from .profile import ModelProfile
 from .reasoning import make_reasoning_parser
 from .refusal import RequestFields
+from .request import ValidChat
 from .responses import decode_responses, translated
 from .responses_out import ResponsesShaper
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -133,6 +135,13 @@ def _parsers(
     return tool_factory, reasoning_factory
 
 
+def _plan(valid: ValidChat, profile: ModelProfile, request_id: str) -> ChatPlan:
+    """The chat plan in the model's rendering mode (``ModelProfile.render``)."""
+    if profile.render == "engine":
+        return plan_engine_chat(valid, profile, request_id=request_id)
+    return plan_chat(valid, profile, request_id=request_id)
+
+
 def build_chat(
     raw: bytes,
     profiles: Mapping[str, ModelProfile],
@@ -144,7 +153,7 @@ def build_chat(
     req = decode_chat(raw)
     profile = _serving(profiles, req, model)
     valid = check_chat(req, profile)
-    plan = plan_chat(valid, profile, request_id=request_id)
+    plan = _plan(valid, profile, request_id)
     valid.stop = merge_stops(valid.stop, profile.stop)
 
     tool_factory, reasoning_factory = _parsers(req, plan, request_id)
@@ -232,7 +241,7 @@ def build_responses(
         valid = check_chat(req, profile)
     except RequestError as err:
         raise translated(err, paths) from err
-    plan = plan_chat(valid, profile, request_id=request_id)
+    plan = _plan(valid, profile, request_id)
     valid.stop = merge_stops(valid.stop, profile.stop)
     tool_factory, reasoning_factory = _parsers(req, plan, request_id)
     shaper = ResponsesShaper(

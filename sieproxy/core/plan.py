@@ -16,9 +16,9 @@ Body decisions
   ``max_new_tokens`` (always: the validated cap), ``min_new_tokens``, ``stop`` (the request's
   stops, then the profile's, de-duplicated in order, at most 32 — SGLang's limit; the profile's
   extras are the ones dropped), ``temperature``, ``top_p``, ``top_k``, ``frequency_penalty``,
-  ``presence_penalty``, ``repetition_penalty``, ``logit_bias``, the one grammar key of
-  :mod:`sieproxy.core.grammar`, and ``skip_special_tokens: false`` while tools are in play (so
-  the tool-call tags reach the parser).
+  ``presence_penalty``, ``repetition_penalty``, ``logit_bias``, ``ignore_eos`` (when true), the
+  one grammar key of :mod:`sieproxy.core.grammar`, and ``skip_special_tokens: false`` while
+  tools are in play (so the tool-call tags reach the parser).
 - ``seed`` → ``sampling_seed = seed + index`` wrapped into the signed 64-bit range: candidates
   of one seeded request differ from each other (``n`` copies of one sample would be useless) and
   each is reproducible; candidate 0 gets the client's seed itself, so ``n=1`` is exactly
@@ -121,6 +121,8 @@ def _sampling(
     _set(params, "top_p", req.top_p)
     _set(params, "frequency_penalty", req.frequency_penalty)
     _set(params, "presence_penalty", req.presence_penalty)
+    if req.ignore_eos:
+        params["ignore_eos"] = True
     return params
 
 

@@ -33,6 +33,10 @@ class ModelProfile:
     stop: tuple[str, ...] = ()
     pools: frozenset[str] = frozenset()
     machine_profiles: frozenset[str] = frozenset()
+    #: Who renders a chat request: ``"gateway"`` (the template here: ``core.plan``) or
+    #: ``"engine"`` (an OpenAI-compatible engine's own ``/v1/chat/completions``:
+    #: ``core.openai_chat``).
+    render: str = "gateway"
     #: Learned from the engine (``/server_info``, ``/model_info``) once it is up; None: unknown.
     context_length: int | None = None
     vocab_size: int | None = None

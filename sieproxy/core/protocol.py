@@ -95,8 +95,10 @@ class EngineProtocol(Protocol):
         the client's (``"chat"``, ``"completion"``, ...), ``model`` the gateway's model name."""
         ...
 
-    def reader(self, *, incremental: bool, max_line: int) -> CandidateReader:
-        """A reader for one candidate's streamed response."""
+    def reader(
+        self, *, incremental: bool, max_line: int, body: dict[str, Any] | None = None
+    ) -> CandidateReader:
+        """A reader for one candidate's streamed response (``body``: its planned body)."""
         ...
 
     def abort(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:

@@ -22,6 +22,12 @@ own field names (:class:`RequestFields`: ``messages`` or ``prompt``, ``max_token
                        json_schema: ...", "... json_schema, regex,
                        ebnf ..."
     max_tokens         "max_new_tokens must be ..."                   max_tokens
+    (by the OpenAI error envelope's code or type, when the text says nothing above:)
+    context_length     context_length_exceeded, string_above_max_    messages | prompt
+                       length                                         context_length_exceeded
+    content_policy     content_policy_violation, content_filter,      messages | prompt
+                       invalid_prompt                                 content_policy_violation
+    engine_model       model_not_found (the engine's model name)      model / model_not_found
     other              anything else                                  none (a generic sentence)
 
 The gateway also checks what it can before sending (``core.validate``: ``logit_bias`` ids against
@@ -45,6 +51,7 @@ __all__ = [
     "RequestFields",
     "best_of_without_logprobs",
     "classify",
+    "classify_error",
     "engine_message",
     "engine_stream_error",
     "explain",
@@ -136,6 +143,34 @@ def classify(text: str | None) -> Refusal:
     return Refusal("other")
 
 
+#: An OpenAI error envelope's ``code`` (or ``type``) -> refusal kind: what OpenAI-compatible
+#: engines and hosted endpoints say without a text the table above knows.
+_CODES = {
+    "context_length_exceeded": "context_length",
+    "string_above_max_length": "context_length",
+    "content_policy_violation": "content_policy",
+    "content_filter": "content_policy",
+    "invalid_prompt": "content_policy",
+    "model_not_found": "engine_model",
+}
+
+
+def classify_error(obj: Any) -> Refusal:
+    """The refusal an engine's error body describes: its text (:func:`classify`), else the
+    ``code`` / ``type`` of its OpenAI error envelope (``{"error": {"code", "type", ...}}`` or
+    ``{"object": "error", ...}``)."""
+    r = classify(engine_message(obj))
+    if r.kind != "other" or not isinstance(obj, dict):
+        return r
+    err = obj.get("error", obj)
+    if isinstance(err, dict):
+        for key in ("code", "type"):
+            kind = _CODES.get(str(err.get(key) or "").lower())
+            if kind is not None:
+                return Refusal(kind)
+    return r
+
+
 def engine_message(obj: Any) -> str | None:
     """The message of an engine's error JSON, in any of SGLang's shapes: ``{"error": "text"}``
     (contract check), ``{"error": {"message": ...}}`` (validation, stream error) or
@@ -194,6 +229,28 @@ def explain(r: Refusal, f: RequestFields) -> GatewayError:
             f"`{f.grammar}` (a valid JSON Schema the engine supports).",
             param=f.grammar,
         )
+    if r.kind == "context_length":  # the engine's code, without numbers
+        return ContextLengthExceeded(
+            f"The {where} and `{f.max_tokens}` together exceed this model's maximum context "
+            f"length; shorten the {where} or lower `{f.max_tokens}`.",
+            param=f.prompt,
+        )
+    if r.kind == "content_policy":
+        err = InvalidRequest(
+            f"The engine's content policy refused this request; change the {where} (retrying "
+            "the same request gets the same answer).",
+            param=f.prompt,
+        )
+        err.code = "content_policy_violation"
+        return err
+    if r.kind == "engine_model":
+        err = InvalidRequest(
+            "The engine behind this model does not serve it under the gateway's model name (or "
+            "the `lora_adapter` name); the operator must align the engine's served model name.",
+            param="model",
+        )
+        err.code = "model_not_found"
+        return err
     if r.kind == "max_tokens":
         return InvalidRequest(
             f"The engine refused `{f.max_tokens}`; lower it to fit the model's context.",
@@ -244,6 +301,6 @@ def engine_stream_error(error: Any) -> EngineStreamError:
         err.status = 400
         err.type = "invalid_request_error"
         err.code = "invalid_request"
-        err.refusal = classify(engine_message({"error": error}))
+        err.refusal = classify_error({"error": error})
         return err
     return EngineStreamError("The engine failed while generating; retry the request.")

@@ -45,6 +45,8 @@ class ValidChat:
     include_reasoning: bool
     best_of: int | None = None
     images: list[ImageInput] = field(default_factory=list)
+    #: ``stream_options.continuous_usage_stats``: the running usage on every chunk.
+    continuous_usage: bool = False
 
 
 @dataclass(slots=True)
@@ -57,3 +59,6 @@ class ValidCompletion:
     max_tokens: int
     stream: bool
     stop: list[str]
+    #: ``stream_options`` of a streamed request (the usage chunk; the running usage).
+    include_usage: bool = False
+    continuous_usage: bool = False

@@ -140,6 +140,8 @@ class ResponseFormat(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    #: SIE extension (vLLM's name): the running usage on every chunk of the stream.
+    continuous_usage_stats: bool | None = None
 
 
 class GuardianConfig(_Strict):
@@ -187,6 +189,9 @@ class ChatCompletionRequest(_Strict):
     best_of: int | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     frequency_penalty: float | None = None
+    #: SIE extension (SGLang's and vLLM's sampling field): generate past the end-of-sequence
+    #: token, up to the output cap (what benchmark tools send to fix the output length).
+    ignore_eos: bool | None = None
     include_reasoning: bool | None = None
     logit_bias: dict[str, float] | None = None
     logprobs: bool | None = None
@@ -231,12 +236,14 @@ class CompletionRequest(_Strict):
     model: str
     prompt: str | list[Any]
     frequency_penalty: float | None = None
+    ignore_eos: bool | None = None  # SIE extension, as on chat
     max_tokens: int | None = None
     n: int | None = None
     presence_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = None
+    stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
     # known-rejected (see COMPLETIONS_KNOWN_REJECTED)

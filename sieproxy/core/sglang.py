@@ -364,6 +364,8 @@ class Express:
         is not a streaming one, a choice with stop strings, parsers or logprobs)."""
         if not isinstance(shaper, StreamShaper) or not 0 <= index < len(shaper.choices):
             return None
+        if shaper.continuous:  # every chunk carries the running usage: no fixed bytes
+            return None
         choice = shaper.choices[index]
         if not choice.plain or choice.want_logprobs:  # (so no logprobs ever wait in it)
             return None
@@ -533,7 +535,9 @@ class SGLangNative:
     ) -> tuple[str, dict[str, Any]]:
         return "/generate", body
 
-    def reader(self, *, incremental: bool, max_line: int) -> NativeReader:
+    def reader(
+        self, *, incremental: bool, max_line: int, body: dict[str, Any] | None = None
+    ) -> NativeReader:
         return NativeReader(incremental=incremental, max_line=max_line)
 
     def abort(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:

@@ -687,6 +687,7 @@ def check_chat(req: ChatCompletionRequest, profile: ModelProfile) -> ValidChat:
         include_reasoning=bool(req.include_reasoning),
         best_of=req.best_of,
         images=_chat_images(req, profile),
+        continuous_usage=stream and options is not None and bool(options.continuous_usage_stats),
     )
 
 
@@ -731,6 +732,7 @@ def check_completion(req: CompletionRequest, profile: ModelProfile) -> ValidComp
         )
     if req.max_tokens is not None:
         _check_fits_context(profile, "max_tokens", req.max_tokens)
+    options = req.stream_options
     return ValidCompletion(
         req=req,
         model=req.model,
@@ -738,4 +740,6 @@ def check_completion(req: CompletionRequest, profile: ModelProfile) -> ValidComp
         max_tokens=req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS,
         stream=bool(req.stream),
         stop=_stop_list(req.stop),
+        include_usage=bool(req.stream and options and options.include_usage),
+        continuous_usage=bool(req.stream and options and options.continuous_usage_stats),
     )

@@ -742,3 +742,57 @@ def test_cached_tokens_in_usage_counted_once() -> None:
     c.on_finish(0, CandidateFinish("stop", None, 20, 1, cached_tokens=16))
     body = json.loads(c.result())
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+
+
+def test_continuous_usage_puts_the_running_usage_on_every_chunk() -> None:
+    valid = chat(2, include_usage=True)
+    valid.continuous_usage = True
+    stream = ChatStream(valid, response_id="chatcmpl-1", model="m", created=CREATED)
+    out = bytearray(stream.start())
+    out += stream.on_delta(0, CandidateDelta("ab", 2, prompt_tokens=5))
+    out += stream.on_delta(1, CandidateDelta("c", 1, prompt_tokens=5))
+    out += stream.on_finish(0, CandidateFinish("stop", prompt_tokens=5, completion_tokens=2))
+    out += stream.on_delta(1, CandidateDelta("d", 3, prompt_tokens=5))
+    out += stream.on_finish(1, CandidateFinish("length", prompt_tokens=5, completion_tokens=3))
+    out += stream.end()
+    events = decode(bytes(out))
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all("usage" in c and c["usage"] is not None for c in chunks)
+    running = [(c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"]) for c in chunks]
+    # Role chunks (nothing yet), then 2, 2+1, closure 0, 2+3, closure 1, the final usage.
+    assert running == [(0, 0), (0, 0), (5, 2), (5, 3), (5, 3), (5, 5), (5, 5), (5, 5)]
+    assert [c["choices"][0]["delta"].get("content") for c in chunks[2:4]] == ["ab", "c"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 10
+
+
+def test_continuous_usage_on_completions_and_no_usage_chunk_without_include_usage() -> None:
+    req = CompletionRequest(model="m", prompt="p")
+    valid = ValidCompletion(
+        req=req, model="m", prompt="p", max_tokens=16, stream=True, stop=[],
+        continuous_usage=True,
+    )  # fmt: skip
+    stream = CompletionStream(valid, response_id="cmpl-1", model="m", created=CREATED)
+    out = bytearray(stream.start())
+    out += stream.on_delta(0, CandidateDelta("x", 1, prompt_tokens=3))
+    out += stream.on_finish(0, CandidateFinish("length", prompt_tokens=3, completion_tokens=1))
+    out += stream.end()
+    events = decode(bytes(out))
+    assert [e["usage"]["completion_tokens"] for e in events[:-1]] == [1, 1]
+    assert [e["choices"][0]["text"] for e in events[:-1]] == ["x", ""]
+    assert events[-1] == "[DONE]"
+
+
+def test_completions_usage_chunk_with_include_usage() -> None:
+    req = CompletionRequest(model="m", prompt="p")
+    valid = ValidCompletion(
+        req=req, model="m", prompt="p", max_tokens=16, stream=True, stop=[], include_usage=True
+    )
+    stream = CompletionStream(valid, response_id="cmpl-1", model="m", created=CREATED)
+    out = bytearray(stream.start())
+    out += stream.on_delta(0, CandidateDelta("x", 1, prompt_tokens=3))
+    out += stream.on_finish(0, CandidateFinish("length", prompt_tokens=3, completion_tokens=1))
+    out += stream.end()
+    events = decode(bytes(out))
+    assert events[0]["usage"] is None and events[-2]["choices"] == []
+    assert events[-2]["usage"]["total_tokens"] == 4

@@ -140,3 +140,9 @@ def test_reader_truncation_and_local_finish() -> None:
     with pytest.raises(EngineTruncated):
         r.eof()
     assert r.express(object()) is None
+
+
+def test_ignore_eos_reaches_an_openai_engine_under_its_name() -> None:
+    body = {"text": "p", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+    path, out = OPENAI.request(body, "completion", "m")
+    assert path == "/v1/completions" and out["ignore_eos"] is True

@@ -380,3 +380,12 @@ def test_plan_completion() -> None:
         "presence_penalty": 0.1,
         "sampling_seed": -3,
     }
+
+
+def test_ignore_eos_is_forwarded_only_when_true() -> None:
+    assert plan(valid_chat(ignore_eos=True)).bodies[0]["sampling_params"]["ignore_eos"] is True
+    assert "ignore_eos" not in plan(valid_chat(ignore_eos=False)).bodies[0]["sampling_params"]
+    req = CompletionRequest(model="m", prompt="p", ignore_eos=True)
+    valid = ValidCompletion(req=req, model="m", prompt="p", max_tokens=4, stream=True, stop=[])
+    body = plan_completion(valid, PROFILE, request_id="r")
+    assert body["sampling_params"]["ignore_eos"] is True

@@ -105,7 +105,18 @@ def connection_tasks() -> int:
     return found
 
 
+#: The harness's ``protocol`` values: the engines' protocol and the model's ``render``.
+#: ``"openai"`` is the gateway-rendered mode (``/v1/completions``); ``"openai-chat"`` the
+#: engine-rendered one (``/v1/chat/completions``, the default for OpenAI engines).
+PROTOCOL_MODES: dict[str, tuple[str, str | None]] = {
+    "sglang": ("sglang", None),
+    "openai": ("openai", "gateway"),
+    "openai-chat": ("openai", "engine"),
+}
+
+
 def settings_for(ports: list[int], protocol: str = "sglang", **gateway: Any) -> Settings:
+    protocol, render = PROTOCOL_MODES[protocol]
     fast = env_fast_paths()  # SIEPROXY_FAST_PATHS=0: the suite's run with the fast paths off
     if fast is not None:
         gateway.setdefault("fast_paths", fast)
@@ -132,6 +143,7 @@ def settings_for(ports: list[int], protocol: str = "sglang", **gateway: Any) -> 
             chat_template=TEMPLATE,
             inputs=["text", "image"],
             lora_paths={"my-adapter": "/adapters/my-adapter"},
+            render=render,
         )
     }
     return Settings(gateway=g, models=models)

@@ -1,6 +1,8 @@
 """The fault matrix: every engine fault and every client misbehaviour, end to end, through
-either upstream protocol (``protocol``: ``sglang``, the native ``/generate``; ``openai``, an
-OpenAI-compatible engine's ``/v1/completions``, ``core.openai_upstream``).
+each upstream protocol and rendering (``protocol``: ``sglang``, the native ``/generate``;
+``openai``, an OpenAI-compatible engine's ``/v1/completions`` with the prompt the gateway
+rendered, ``core.openai_upstream``; ``openai-chat``, its ``/v1/chat/completions`` with the
+messages, the engine rendering, ``core.openai_chat``).
 
 Each case asserts what the client got (a proper status before any chunk, or a 200 whose SSE
 ends with ``data: {"error": ...}`` then ``data: [DONE]`` after the first chunk), what the engine
@@ -35,7 +37,7 @@ import trio
 from engine.fake import Call, DefaultScript, FakeEngine, Fault, FaultKind, Plan, abort_finish
 from sieproxy.settings import EngineSpec, Settings
 
-from .harness import MODEL, Gateway, host_port, running_gateway, sse_events
+from .harness import MODEL, PROTOCOL_MODES, Gateway, host_port, running_gateway, sse_events
 
 CHAT = "/v1/chat/completions"
 SECRET = "SECRET-ENGINE-TEXT"
@@ -44,7 +46,7 @@ TOKENS = [f" w{k}" for k in range(6)]
 # ---- helpers -------------------------------------------------------------------------------
 
 
-PROTOCOLS = ("sglang", "openai")
+PROTOCOLS = ("sglang", "openai", "openai-chat")
 
 
 @pytest.fixture(params=PROTOCOLS)
@@ -80,7 +82,7 @@ def openai_name(body: dict[str, Any]) -> str:
     """The rid of an OpenAI-protocol candidate: ``<name>-<seed>`` from its prompt's
     ``[rid:<name>]`` (:func:`chat_body`) and its seed; an unnamed one gets a fresh
     ``<hex>-0``, as the gateway names a request without ``X-Request-Id``."""
-    m = _NAMED.search(str(body.get("prompt")))
+    m = _NAMED.search(str(body.get("prompt") or body.get("messages")))
     seed = body.get("seed")
     if m is not None and isinstance(seed, int):
         return f"{m[1]}-{seed}"
@@ -91,7 +93,7 @@ def fake(protocol: str, script: Any = None, **kw: Any) -> FakeEngine:
     """A fake engine whose OpenAI-mode records and scripts name candidates as ``/generate``
     rids are named (module docstring)."""
     engine = FakeEngine(script=script, **kw)
-    if protocol == "openai":
+    if protocol != "sglang":
         engine.name_request = openai_name
     return engine
 
@@ -102,7 +104,7 @@ def chat_body(protocol: str = "sglang", rid: str | None = None, **extra: Any) ->
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 64,
     }
-    if protocol == "openai" and rid is not None:  # the request's name, for the engine
+    if protocol != "sglang" and rid is not None:  # the request's name, for the engine
         body["messages"] = [{"role": "user", "content": f"hi [rid:{rid}]"}]
         body["seed"] = 0
     body.update(extra)
@@ -155,15 +157,16 @@ def check_sse_error_tail(text: str) -> tuple[dict[str, Any], list[Any]]:
 
 
 def generate_rids(engine: FakeEngine, protocol: str = "sglang") -> list[str]:
-    if protocol == "openai":
-        return [openai_name(b) for p, b in engine.requests if p == "/v1/completions"]
+    if protocol != "sglang":
+        path = "/v1/completions" if protocol == "openai" else "/v1/chat/completions"
+        return [openai_name(b) for p, b in engine.requests if p == path]
     return [b["rid"] for p, b in engine.requests if p == "/generate" and isinstance(b, dict)]
 
 
 def ended(engine: FakeEngine, protocol: str = "sglang") -> list[str]:
     """The rids the gateway ended upstream, once per abort: SGLang's ``/abort_request``s; the
     OpenAI protocol's closed connections (recorded as ``cancelled``), never an abort request."""
-    if protocol == "openai":
+    if protocol != "sglang":
         assert engine.aborts == [], "an /abort_request through the OpenAI protocol"
         return engine.cancelled
     return engine.aborts
@@ -204,9 +207,9 @@ async def still_serves(gw: Gateway) -> None:
 
 def protocol_of(gw: Gateway) -> str:
     """The protocol of the gateway's engines (``running_gateway(protocol=...)``)."""
-    engines = gw.state.settings.models[MODEL].engines
-    (name,) = {"sglang" if isinstance(e, str) else e.protocol for e in engines}
-    return name
+    model = gw.state.settings.models[MODEL]
+    (name,) = {"sglang" if isinstance(e, str) else e.protocol for e in model.engines}
+    return "openai-chat" if model.render_mode() == "engine" else name
 
 
 async def post(gw: Gateway, rid: str, **extra: Any) -> httpx.Response:
@@ -268,7 +271,7 @@ async def test_engine_refusing_connections_is_503_then_recovers(
 
         def hook(settings: Settings) -> None:
             settings.models[MODEL].engines = [
-                EngineSpec(url=f"http://127.0.0.1:{port}", protocol=protocol)
+                EngineSpec(url=f"http://127.0.0.1:{port}", protocol=PROTOCOL_MODES[protocol][0])
             ]
 
         async with running_gateway(settings_hook=hook, protocol=protocol) as gw:

@@ -161,15 +161,16 @@ async def test_images_are_refused_for_an_openai_engine(stream: bool) -> None:
         )
 
 
-async def test_a_model_without_a_template_opens_on_an_openai_engine(
+async def test_a_model_without_a_template_is_engine_rendered(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """An OpenAI engine has no ``/model_info`` to discover a template from: a model configured
-    without one opens once its replica is ready (the plain rendering, with a warning) instead of
-    waiting for a discovery that can never answer."""
+    """An OpenAI engine has no ``/model_info`` to discover a template from: a model without one
+    renders on the engine (the default for these engines) and opens once its replica is ready;
+    asking for gateway rendering without a template is refused at start (``test_openai_chat``)
+    instead of a generic prompt the model was never trained on."""
 
     async def no_info(self: Any, base: str) -> dict[str, Any]:  # as vLLM or llama.cpp answer
-        raise EngineHTTPError("The engine has no such endpoint.")
+        raise EngineHTTPError("The engine has no such endpoint.", engine_status=404)
 
     monkeypatch.setattr(EngineClient, "model_info", no_info)
     monkeypatch.setattr(EngineClient, "server_info", no_info)
@@ -177,13 +178,13 @@ async def test_a_model_without_a_template_opens_on_an_openai_engine(
     def no_template(s: Any) -> None:
         for m in s.models.values():
             m.chat_template = None
+            m.render = None  # the default
 
     async with running_gateway(protocol="openai", settings_hook=no_template) as gw:
-        with trio.fail_after(10):
-            while not gw.state.pools[MODEL].gate_open:
-                await trio.sleep(0.05)
+        assert gw.state.pools[MODEL].gate_open
         r = await gw.client.post(
             "/v1/chat/completions", json={"model": MODEL, "messages": MSGS, "max_tokens": 2}
         )
         assert r.status_code == 200, r.text
-        assert _upstream(gw.engines[0])[0]["prompt"].startswith(("user:", "User:", "<"))
+        chats = [b for p, b in gw.engines[0].requests if p == "/v1/chat/completions"]
+        assert chats[0]["messages"] == MSGS and not _upstream(gw.engines[0])

@@ -136,6 +136,13 @@ class Fault:
     body: bytes | None = None
     clean: bool = True
     duration: float | None = None
+    retry_after: str | None = None  # HTTP_ERROR: the answer's Retry-After header
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """The extra headers of an HTTP_ERROR answer."""
+        if self.retry_after is None:
+            return []
+        return [(b"retry-after", self.retry_after.encode("latin-1"))]
 
     @classmethod
     def error_event(cls, at: int = 0, message: str = "injected error", code: int = 400) -> Fault:
@@ -167,16 +174,23 @@ class Fault:
 
     @classmethod
     def http_error(
-        cls, status: int = 500, message: str | None = None, body: bytes | None = None
+        cls,
+        status: int = 500,
+        message: str | None = None,
+        body: bytes | None = None,
+        *,
+        retry_after: str | None = None,
     ) -> Fault:
-        """Answer with ``status`` before any head. The default body is SGLang's for the status:
-        400 ``{"error":{"message"}}``, else ``{"object":"error","message","type","param","code"}``.
+        """Answer with ``status`` before any head (with ``Retry-After: retry_after`` if given).
+        The default body is SGLang's for the status: 400 ``{"error":{"message"}}``, else
+        ``{"object":"error","message","type","param","code"}``.
         """
         return cls(
             FaultKind.HTTP_ERROR,
             status_code=status,
             message=message or f"injected HTTP {status}",
             body=body,
+            retry_after=retry_after,
         )
 
 
@@ -977,7 +991,9 @@ class FakeEngine:
         fault = plan.fault
         if fault is not None and fault.kind is FaultKind.HTTP_ERROR:
             self._record_outcome(call.rid, "fault", fault.kind)
-            await conn.send_response(fault.status_code, _http_error_body(fault))
+            await conn.send_response(
+                fault.status_code, _http_error_body(fault), headers=fault.headers()
+            )
             return
         run = _Run(call.rid)
         self._add_running(run)
@@ -1201,7 +1217,7 @@ class FakeEngine:
         if fault is not None and fault.kind is FaultKind.HTTP_ERROR:
             self._record_outcome(chat_id, "fault", fault.kind)
             body_bytes = fault.body or _ENCODE(_openai_error(fault.message, fault.status_code))
-            await conn.send_response(fault.status_code, body_bytes)
+            await conn.send_response(fault.status_code, body_bytes, headers=fault.headers())
             return
         runs = [_Run(g.call.rid) for g in gens]
         for run in runs:

@@ -31,6 +31,7 @@ from .core.errors import (
 )
 from .core.events import CandidateFinish
 from .core.protocol import CandidateReader, protocol_for
+from .core.retry import FirstTokenTimeout
 from .engine_client import EngineClient, Exchange, UpstreamResponse
 from .pool import ModelPool, Replica
 from .settings import GatewaySettings
@@ -57,6 +58,7 @@ class Attempt:
         "pool",
         "proto",
         "replica",
+        "retry_no",
         "stats",
         "unsent",
     )
@@ -80,10 +82,18 @@ class Attempt:
         self.bodies = bodies
         self.stats = stats
         self.deadline = deadline
+        self.retry_no = 0  # how many attempts of the request came before this one
         self.cands: list[Candidate] = []
         # The engine's finish of a candidate cancelled while its task waited to queue it (the
         # channel was full): ``settle`` hands it to the shaper in its place.
         self.unsent: list[CandidateFinish | None] = []
+
+    @property
+    def first(self) -> float:
+        """The limit to a candidate's first chunk: the model's ``first_token_timeout``, else
+        the token gap."""
+        first = self.pool.first_token
+        return self.g.token_gap_timeout if first is None else first
 
     def launch(
         self,
@@ -114,8 +124,8 @@ class Attempt:
 
     def open(self, i: int, until: float = math.inf) -> Exchange:
         """The exchange of candidate ``i`` (an async context manager); its head must arrive
-        within the token gap, and by ``until`` (``trio.TooSlowError``)."""
-        head = self.g.token_gap_timeout
+        within the first-token limit, and by ``until`` (``trio.TooSlowError``)."""
+        head = self.first
         if until < math.inf:
             head = max(min(head, until - trio.current_time()), 0.0)
         path, payload = self.proto.request(self.bodies[i], self.stats.endpoint, self.stats.model)
@@ -157,11 +167,16 @@ class Attempt:
 
     def expired(self, c: Candidate) -> GatewayError | None:
         """What a candidate's fired timer means: nothing if the engine already finished (it
-        kept the body open), else the request deadline or the token gap, by the clock."""
+        kept the body open), else the request deadline, the model's first-token timeout (no
+        chunk yet) or the token gap, by the clock."""
         if c.reader.done:
             return None
         if trio.current_time() >= self.deadline:
             return self.deadline_error(c)
+        if not c.heard and self.pool.first_token is not None:
+            c.cause = c.cause or "first_token"
+            c.to(Step.FAIL)
+            return FirstTokenTimeout()
         return self.gap_error(c)
 
     async def abort(self, c: Candidate, err: GatewayError | None) -> None:
@@ -243,8 +258,8 @@ class Attempt:
                         err = e
                         if isinstance(e, EngineUnreachable | EngineHTTPError):
                             c.refused()
-                    except trio.TooSlowError:  # no response head within the gap
-                        err = self.gap_error(c)
+                    except trio.TooSlowError:  # no response head within the first-token limit
+                        err = self.expired(c)
                 if scope.cancelled_caught and c.cause is None:
                     err = self.expired(c)  # the request's deadline or the gap (_feed)
             finally:
@@ -273,7 +288,7 @@ class Attempt:
         slack = gap * _GAP_SLACK
         receive = resp.receive
         clock = trio.lowlevel.current_clock().current_time
-        moved = clock() + gap
+        moved = clock() + self.first  # until the first chunk: the first-token limit
         scope.deadline = min(end, moved)
         step = c.step
         while raw := await receive():

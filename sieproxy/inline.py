@@ -177,7 +177,7 @@ class InlineReader(Candidate):
                         raise stash
                     raw = stash
                 if raw is None:
-                    limit = min(self.deadline, self.last + gap)
+                    limit = min(self.deadline, self.last + (gap if self.heard else att.first))
                     if timer is None or not timer.running:
                         with trio.move_on_at(limit) as scope:
                             await resp.wait_readable()
@@ -310,7 +310,9 @@ class InlineReader(Candidate):
     def timer_due(self, now: float) -> float | None:
         """This reader's :class:`WaitTimer` entry is due: the time to re-arm it at, or None
         (the limit passed: if the reader waits, close its connection to wake it)."""
-        limit = min(self.deadline, self.last + self.att.g.token_gap_timeout)
+        att = self.att
+        gap = att.g.token_gap_timeout if self.heard else att.first
+        limit = min(self.deadline, self.last + gap)
         if limit > now:
             return limit  # still armed: the timer re-pushes the same holder
         self.holder = None  # the timer dropped the entry

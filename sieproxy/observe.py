@@ -41,7 +41,7 @@ CLIENT_CLOSED = 499
 NO_RESPONSE = 444
 
 #: Why a request moved to a fallback (sieproxy/fallback.py).
-FALLBACK_CAUSES = ("no_replica", "full", "failed")
+FALLBACK_CAUSES = ("no_replica", "full", "failed", "first_token", "context")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 

@@ -192,6 +192,10 @@ def at_most_one_abort(engine: FakeEngine, protocol: str = "sglang") -> None:
 
 async def still_serves(gw: Gateway) -> None:
     with trio.fail_after(20):
+        # A replica whose breaker opened (retries count as failed requests too) is back at its
+        # next passing health check.
+        while (await gw.client.get("/readyz")).status_code != 200:
+            await trio.sleep(0.02)
         r = await gw.client.post(CHAT, json=chat_body(max_tokens=3))
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["finish_reason"] == "length"

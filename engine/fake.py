@@ -168,9 +168,10 @@ class Fault:
         return cls(FaultKind.HANG, at=at, before_headers=before_headers, duration=duration)
 
     @classmethod
-    def malformed(cls, at: int = 0) -> Fault:
-        """Send a chunk that is not valid JSON after ``at`` steps, then ``[DONE]``."""
-        return cls(FaultKind.MALFORMED, at=at)
+    def malformed(cls, at: int = 0, *, goes_on: bool = False) -> Fault:
+        """Send a chunk that is not valid JSON after ``at`` steps, then ``[DONE]`` (with
+        ``goes_on``: then the rest of the stream, as if nothing happened)."""
+        return cls(FaultKind.MALFORMED, at=at, clean=not goes_on)
 
     @classmethod
     def http_error(
@@ -1115,7 +1116,11 @@ class FakeEngine:
         elif kind is FaultKind.RESET:
             conn.reset()
         elif kind is FaultKind.MALFORMED:
-            await conn.send_data(b'data: {"text": "oops", "meta_info": {"id": \n\n' + _DONE)
+            bad = b'data: {"text": "oops", "meta_info": {"id": \n\n'
+            if not fault.clean:  # ``goes_on``
+                await conn.send_data(bad)
+                return None
+            await conn.send_data(bad + _DONE)
             await conn.end_response()
         elif kind is FaultKind.HANG:
             end = math.inf if fault.duration is None else trio.current_time() + fault.duration

@@ -451,3 +451,28 @@ async def test_a_primary_flapping_under_20_requests(protocol: str) -> None:
         for e in engines:
             await settled(e)
         at_most_one_abort(engines[0], protocol)
+
+
+# ---- a malformed event mid-stream ----------------------------------------------------------
+
+
+@STREAMS
+async def test_a_malformed_event_mid_stream(protocol: str, stream: bool) -> None:
+    """A chunk that does not decode after two tokens, then the stream goes on. SGLang's
+    cumulative text repeats the whole state in the next chunk: skipped, the answer is whole.
+    The OpenAI protocol's chunks are deltas: the stream's clean error."""
+    engine = fake(protocol, always(Plan(TOKENS, fault=Fault.malformed(2, goes_on=True))))
+    async with running_gateway(engine, protocol=protocol) as gw:
+        r = await post(gw, "fo-bad", stream=stream, max_tokens=len(TOKENS))
+        assert attempts(engine, protocol, "fo-bad") == 1
+        if protocol == "sglang":
+            assert r.status_code == 200, r.text
+            assert text_of(r, stream) == "".join(TOKENS)
+            assert engine.aborts == []
+        elif stream:
+            err, _events = check_sse_error_tail(r.text)
+            assert err["code"] == "malformed_upstream"
+        else:
+            check_status_error(r, 500)
+        await settled(engine)
+        at_most_one_abort(engine, protocol)

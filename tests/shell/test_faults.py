@@ -69,7 +69,13 @@ def by_protocol(cases: list[tuple[Any, ...]]) -> list[Any]:
         for protocol in PROTOCOLS:
             why = ONLY_SGLANG.get(case[0]) if protocol != "sglang" else None
             marks = [pytest.mark.skip(reason=f"{protocol}: {why}")] if why else []
-            out.append(pytest.param(protocol, *case[1:], id=f"{case[0]}-{protocol}", marks=marks))
+            values = case[1:]
+            if case[0] == "malformed" and protocol == "sglang":
+                # SGLang's cumulative stream skips a chunk that does not decode: the [DONE]
+                # right after it then ends a stream without its finish.
+                swap = {"malformed_upstream": "upstream_truncated", 500: 502}
+                values = tuple(swap.get(v, v) if isinstance(v, str | int) else v for v in values)
+            out.append(pytest.param(protocol, *values, id=f"{case[0]}-{protocol}", marks=marks))
     return out
 
 

@@ -189,7 +189,8 @@ class Observer:
             "sieproxy_fallbacks",
             "Requests moved before any byte to a fallback of the model they named, by cause "
             "(no_replica: none ready; full: no room past admission_wait; failed: the engine "
-            "failed in a way the retry rules allow).",
+            "failed in a way the retry table allows; first_token: nothing within the model's "
+            "first_token_timeout; context: the prompt too long for the model).",
             ["model", "cause"],
             registry=r,
         )

@@ -251,9 +251,10 @@ class Attempt:
                         c.mark_sent()  # from here an early end aborts it, unless the engine refused
                         if isinstance(sent, Exception):  # open() could not send it
                             raise sent
+                        since = trio.current_time()
                         async with sent or self.open(i) as resp:
                             c.to(Step.HEAD)
-                            await self._feed(c, resp, send, scope)
+                            await self._feed(c, resp, send, scope, since)
                     except GatewayError as e:
                         err = e
                         if isinstance(e, EngineUnreachable | EngineHTTPError):
@@ -275,8 +276,10 @@ class Attempt:
         resp: UpstreamResponse,
         send: trio.MemorySendChannel[Event],
         scope: trio.CancelScope,
+        since: float,
     ) -> None:
-        """Read the candidate's body into the channel. The token gap is enforced by moving the
+        """Read the candidate's body into the channel (``since``: when its request went out,
+        from which a ``first_token_timeout`` counts). The token gap is enforced by moving the
         deadline of the candidate's own ``scope`` (one scope fewer per candidate); the request
         deadline caps it."""
         gap = self.g.token_gap_timeout
@@ -288,7 +291,8 @@ class Attempt:
         slack = gap * _GAP_SLACK
         receive = resp.receive
         clock = trio.lowlevel.current_clock().current_time
-        moved = clock() + self.first  # until the first chunk: the first-token limit
+        # Until the first chunk: the first-token limit, from the request's send.
+        moved = (clock() if self.pool.first_token is None else since) + self.first
         scope.deadline = min(end, moved)
         step = c.step
         while raw := await receive():

@@ -116,6 +116,7 @@ class InlineReader(Candidate):
         to the first token."""
         self.cm = self.att.open(0, until=self.deadline)
         self.mark_sent()
+        self.last = trio.current_time()  # a first_token_timeout counts from here
         return self.cm
 
     async def send_now(self) -> bool:
@@ -163,7 +164,8 @@ class InlineReader(Candidate):
                     self.cm = None  # the exchange let its connection go
                     raise
                 self.to(Step.HEAD)
-                self.last = trio.current_time()
+                if att.pool.first_token is None:  # else the first chunk's limit counts from
+                    self.last = trio.current_time()  # the request's send (``exchange``)
             resp, reader, timer = self.resp, self.reader, self.timer
             while True:
                 # Bytes already there need no timer (a cancel scope per chunk was a measurable

@@ -140,6 +140,13 @@ class Fault:
     body: bytes | None = None
     clean: bool = True
     duration: float | None = None
+    retry_after: str | None = None  # HTTP_ERROR: the answer's Retry-After header
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """The extra headers of an HTTP_ERROR answer."""
+        if self.retry_after is None:
+            return []
+        return [(b"retry-after", self.retry_after.encode("latin-1"))]
 
     @classmethod
     def error_event(cls, at: int = 0, message: str = "injected error", code: int = 400) -> Fault:
@@ -165,22 +172,30 @@ class Fault:
         return cls(FaultKind.HANG, at=at, before_headers=before_headers, duration=duration)
 
     @classmethod
-    def malformed(cls, at: int = 0) -> Fault:
-        """Send a chunk that is not valid JSON after ``at`` steps, then ``[DONE]``."""
-        return cls(FaultKind.MALFORMED, at=at)
+    def malformed(cls, at: int = 0, *, goes_on: bool = False) -> Fault:
+        """Send a chunk that is not valid JSON after ``at`` steps, then ``[DONE]`` (with
+        ``goes_on``: then the rest of the stream, as if nothing happened)."""
+        return cls(FaultKind.MALFORMED, at=at, clean=not goes_on)
 
     @classmethod
     def http_error(
-        cls, status: int = 500, message: str | None = None, body: bytes | None = None
+        cls,
+        status: int = 500,
+        message: str | None = None,
+        body: bytes | None = None,
+        *,
+        retry_after: str | None = None,
     ) -> Fault:
-        """Answer with ``status`` before any head. The default body is SGLang's for the status:
-        400 ``{"error":{"message"}}``, else ``{"object":"error","message","type","param","code"}``.
+        """Answer with ``status`` before any head (with ``Retry-After: retry_after`` if given).
+        The default body is SGLang's for the status: 400 ``{"error":{"message"}}``, else
+        ``{"object":"error","message","type","param","code"}``.
         """
         return cls(
             FaultKind.HTTP_ERROR,
             status_code=status,
             message=message or f"injected HTTP {status}",
             body=body,
+            retry_after=retry_after,
         )
 
 
@@ -999,7 +1014,9 @@ class FakeEngine:
         fault = plan.fault
         if fault is not None and fault.kind is FaultKind.HTTP_ERROR:
             self._record_outcome(call.rid, "fault", fault.kind)
-            await conn.send_response(fault.status_code, _http_error_body(fault))
+            await conn.send_response(
+                fault.status_code, _http_error_body(fault), headers=fault.headers()
+            )
             return
         run = _Run(call.rid)
         self._add_running(run)
@@ -1121,7 +1138,11 @@ class FakeEngine:
         elif kind is FaultKind.RESET:
             conn.reset()
         elif kind is FaultKind.MALFORMED:
-            await conn.send_data(b'data: {"text": "oops", "meta_info": {"id": \n\n' + _DONE)
+            bad = b'data: {"text": "oops", "meta_info": {"id": \n\n'
+            if not fault.clean:  # ``goes_on``
+                await conn.send_data(bad)
+                return None
+            await conn.send_data(bad + _DONE)
             await conn.end_response()
         elif kind is FaultKind.HANG:
             end = math.inf if fault.duration is None else trio.current_time() + fault.duration
@@ -1227,7 +1248,7 @@ class FakeEngine:
         if fault is not None and fault.kind is FaultKind.HTTP_ERROR:
             self._record_outcome(chat_id, "fault", fault.kind)
             body_bytes = fault.body or _ENCODE(_openai_error(fault.message, fault.status_code))
-            await conn.send_response(fault.status_code, body_bytes)
+            await conn.send_response(fault.status_code, body_bytes, headers=fault.headers())
             return
         runs = [_Run(g.call.rid) for g in gens]
         for run in runs:

@@ -31,6 +31,7 @@ from .core.errors import (
 )
 from .core.events import CandidateFinish
 from .core.protocol import CandidateReader, protocol_for
+from .core.retry import FirstTokenTimeout
 from .core.upstream_status import breaker_counts
 from .engine_client import EngineClient, Exchange, UpstreamResponse
 from .pool import ModelPool, Replica
@@ -58,6 +59,7 @@ class Attempt:
         "pool",
         "proto",
         "replica",
+        "retry_no",
         "stats",
         "unsent",
     )
@@ -81,10 +83,18 @@ class Attempt:
         self.bodies = bodies
         self.stats = stats
         self.deadline = deadline
+        self.retry_no = 0  # how many attempts of the request came before this one
         self.cands: list[Candidate] = []
         # The engine's finish of a candidate cancelled while its task waited to queue it (the
         # channel was full): ``settle`` hands it to the shaper in its place.
         self.unsent: list[CandidateFinish | None] = []
+
+    @property
+    def first(self) -> float:
+        """The limit to a candidate's first chunk: the model's ``first_token_timeout``, else
+        the token gap."""
+        first = self.pool.first_token
+        return self.g.token_gap_timeout if first is None else first
 
     def launch(
         self,
@@ -117,8 +127,8 @@ class Attempt:
 
     def open(self, i: int, until: float = math.inf) -> Exchange:
         """The exchange of candidate ``i`` (an async context manager); its head must arrive
-        within the token gap, and by ``until`` (``trio.TooSlowError``)."""
-        head = self.g.token_gap_timeout
+        within the first-token limit, and by ``until`` (``trio.TooSlowError``)."""
+        head = self.first
         if until < math.inf:
             head = max(min(head, until - trio.current_time()), 0.0)
         path, payload = self.proto.request(self.bodies[i], self.stats.endpoint, self.stats.model)
@@ -160,11 +170,16 @@ class Attempt:
 
     def expired(self, c: Candidate) -> GatewayError | None:
         """What a candidate's fired timer means: nothing if the engine already finished (it
-        kept the body open), else the request deadline or the token gap, by the clock."""
+        kept the body open), else the request deadline, the model's first-token timeout (no
+        chunk yet) or the token gap, by the clock."""
         if c.reader.done:
             return None
         if trio.current_time() >= self.deadline:
             return self.deadline_error(c)
+        if not c.heard and self.pool.first_token is not None:
+            c.cause = c.cause or "first_token"
+            c.to(Step.FAIL)
+            return FirstTokenTimeout()
         return self.gap_error(c)
 
     async def abort(self, c: Candidate, err: GatewayError | None) -> None:
@@ -240,15 +255,16 @@ class Attempt:
                         c.mark_sent()  # from here an early end aborts it, unless the engine refused
                         if isinstance(sent, Exception):  # open() could not send it
                             raise sent
+                        since = trio.current_time()
                         async with sent or self.open(i) as resp:
                             c.to(Step.HEAD)
-                            await self._feed(c, resp, send, scope)
+                            await self._feed(c, resp, send, scope, since)
                     except GatewayError as e:
                         err = e
                         if isinstance(e, EngineUnreachable | EngineHTTPError):
                             c.refused()
-                    except trio.TooSlowError:  # no response head within the gap
-                        err = self.gap_error(c)
+                    except trio.TooSlowError:  # no response head within the first-token limit
+                        err = self.expired(c)
                 if scope.cancelled_caught and c.cause is None:
                     err = self.expired(c)  # the request's deadline or the gap (_feed)
             finally:
@@ -264,8 +280,10 @@ class Attempt:
         resp: UpstreamResponse,
         send: trio.MemorySendChannel[Event],
         scope: trio.CancelScope,
+        since: float,
     ) -> None:
-        """Read the candidate's body into the channel. The token gap is enforced by moving the
+        """Read the candidate's body into the channel (``since``: when its request went out,
+        from which a ``first_token_timeout`` counts). The token gap is enforced by moving the
         deadline of the candidate's own ``scope`` (one scope fewer per candidate); the request
         deadline caps it."""
         gap = self.g.token_gap_timeout
@@ -277,7 +295,8 @@ class Attempt:
         slack = gap * _GAP_SLACK
         receive = resp.receive
         clock = trio.lowlevel.current_clock().current_time
-        moved = clock() + gap
+        # Until the first chunk: the first-token limit, from the request's send.
+        moved = (clock() if self.pool.first_token is None else since) + self.first
         scope.deadline = min(end, moved)
         step = c.step
         while raw := await receive():

@@ -72,7 +72,17 @@ TRANSITIONS: dict[tuple[Phase, Step], Phase] = {
 class Candidate:
     """One candidate's state: its phase, why the gateway ended it, and its reader."""
 
-    __slots__ = ("aborted", "cause", "engine_done", "index", "phase", "reader", "scope", "sent")
+    __slots__ = (
+        "aborted",
+        "cause",
+        "engine_done",
+        "heard",
+        "index",
+        "phase",
+        "reader",
+        "scope",
+        "sent",
+    )
 
     def __init__(self, index: int, reader: CandidateReader) -> None:
         self.index = index
@@ -81,6 +91,7 @@ class Candidate:
         self.cause: str | None = None  # why the gateway ended it (the first cause counts)
         self.engine_done = False  # the engine's terminal event was read
         self.sent = False  # the engine may be generating it (an early end aborts it)
+        self.heard = False  # a chunk of its stream arrived (the first-token limit is over)
         self.aborted = False  # its abort went out
         self.scope: trio.CancelScope | None = None  # its task's scope (``n`` > 1)
 
@@ -104,6 +115,7 @@ class Candidate:
         reader = self.reader
         if reader.done:
             return [], None
+        self.heard = True
         events, err = reader.feed(raw)
         if reader.finished and not self.engine_done:
             self.engine_done = True

@@ -5,9 +5,13 @@ A model's ``fallbacks`` (``[models.<name>]``, checked at load: ``Settings.fallba
 
 * the model has no ready replica for the request (cause ``no_replica``) or every matching one
   stayed full for ``admission_wait`` (``full``): at admission, before the status line;
-* its engine failed in a way the retry rules allow (``failed``: a server-side error that came
-  without waiting, before any event) and the one retry on another replica of the same model
-  was used or had no replica to go to: from ``GenerationBody.prime``.
+* its engine failed in a way the retry table allows (``failed``; ``first_token``: nothing came
+  within the model's ``first_token_timeout``) and the table's retries within the model were
+  used or had no replica to go to: from ``GenerationBody.prime`` (``sieproxy.failover``).
+
+A model's ``context_fallbacks`` are tried in the same way (cause ``context``) when the request
+is too long for it: the gateway's own check at planning (:func:`context_plan`: the first
+target the request fits) or the engine's ``context_length_exceeded`` before any event.
 
 Never after the first byte: once an event of the engine reached the response's shaper, an
 engine failure is the stream's error event. A target is taken only if it can take the request
@@ -25,14 +29,17 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from .core.errors import GatewayError
 from .core.pipeline import Prepared
 from .core.profile import ModelProfile
 from .merge import Shaper
 from .observe import Observer
 from .pool import ModelPool, Replica, RouteHints
+from .settings_schema import Settings, fallback_target
 
-__all__ = ["FallBack", "Fallbacks", "Route", "cause_of"]
+__all__ = ["FallBack", "Fallbacks", "Route", "cause_of", "context_plan", "context_targets"]
 
 
 @dataclass(slots=True)
@@ -111,3 +118,36 @@ class Fallbacks:
             self._observer.fallback(self.model, cause)
             return Route(model, pool, replica, hints, plan.bodies, plan.shaper)
         return None
+
+
+class _Named(msgspec.Struct):
+    model: str = ""
+
+
+def context_targets(settings: Settings, model: str) -> list[tuple[str, str | None]]:
+    """The ``(model, pool)`` targets of ``model``'s ``context_fallbacks``, in order."""
+    conf = settings.models.get(model)
+    return [fallback_target(model, e) for e in conf.context_fallbacks] if conf else []
+
+
+def context_plan(
+    exc: GatewayError, raw: bytes, settings: Settings, planner: Planner, observer: Observer
+) -> Prepared:
+    """The plan on the first of the requested model's ``context_fallbacks`` whose context the
+    request fits, after the gateway's own check refused it for that model (``exc``, a
+    ``context_length_exceeded``); ``exc`` when none fits. The target's ``pool`` is not
+    applied here (the request's own routing headers are)."""
+    try:
+        model = msgspec.json.decode(raw, type=_Named).model
+    except msgspec.DecodeError:
+        raise exc from None
+    for target, _pool in context_targets(settings, model):
+        try:
+            plan = planner(target)
+        except GatewayError as err:
+            if err.code == "context_length_exceeded":
+                continue
+            raise
+        observer.fallback(model, "context")
+        return plan
+    raise exc

@@ -34,8 +34,8 @@ from .core.errors import (
     InvalidRequest,
     ServiceUnavailable,
 )
-from .core.pipeline import build_chat, build_completion, build_responses
-from .fallback import Fallbacks, cause_of
+from .core.pipeline import Prepared, build_chat, build_completion, build_responses
+from .fallback import Fallbacks, cause_of, context_plan, context_targets
 from .hypercorn_io import (
     ClientWatch,
     body_writer,
@@ -196,7 +196,16 @@ async def _start(
     else:
         builder = build_completion if endpoint == "completions" else build_responses
     created = state.created()
-    plan = builder(raw, state.profiles, request_id=rid, created=created)
+
+    def planner(m: str | None = None) -> Prepared:
+        return builder(raw, state.profiles, request_id=rid, created=created, model=m)
+
+    try:
+        plan = planner()
+    except GatewayError as exc:  # too long for the model: its context_fallbacks
+        if exc.code != "context_length_exceeded":
+            raise
+        plan = context_plan(exc, raw, state.settings, planner, state.observer)
     pool = state.pools[plan.model]
     hints = RouteHints(
         pool=headers.get(b"x-sie-pool") or None,
@@ -210,17 +219,28 @@ async def _start(
     )
     stats.sdk_version = headers.get(b"x-sie-sdk-version")
     fb: Fallbacks | None = None  # made when first needed (sieproxy/fallback.py)
+    ctx: Fallbacks | None = None  # the same for context_fallbacks
 
-    def fallbacks() -> Fallbacks:
-        nonlocal fb
-        if fb is None:
+    def fallbacks(cause: str = "failed") -> Fallbacks:
+        nonlocal fb, ctx
+        if cause == "context":
+            if ctx is None:
+                ctx = fb = Fallbacks(
+                    plan=plan,
+                    hints=hints,
+                    targets=context_targets(state.settings, plan.model),
+                    planner=planner,
+                    pools=state.pools,
+                    profiles=state.profiles,
+                    observer=state.observer,
+                )
+            return ctx
+        if fb is None or fb is ctx:
             fb = Fallbacks(
                 plan=plan,
                 hints=hints,
                 targets=state.settings.fallback_chain(plan.model),
-                planner=lambda m: builder(
-                    raw, state.profiles, request_id=rid, created=created, model=m
-                ),
+                planner=planner,
                 pools=state.pools,
                 profiles=state.profiles,
                 observer=state.observer,
@@ -228,7 +248,7 @@ async def _start(
         return fb
 
     conf = state.settings.models.get(plan.model)
-    has_fallbacks = conf is not None and bool(conf.fallbacks)
+    has_fallbacks = conf is not None and bool(conf.fallbacks or conf.context_fallbacks)
     try:
         if pool.failed is not None:  # the embedded engine was given up (sieproxy/child.py)
             raise ServiceUnavailable(
@@ -265,7 +285,9 @@ async def _start(
         on_done=finish,
         timer=state.timer,
         pump=state.pump,
-        fallback=(lambda cause, failed: fallbacks().next(cause, failed)) if has_fallbacks else None,
+        fallback=(
+            (lambda cause, failed: fallbacks(cause).next(cause, failed)) if has_fallbacks else None
+        ),
         fields=plan.fields,
     )
     state.active.add(body)

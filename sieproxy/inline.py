@@ -116,6 +116,7 @@ class InlineReader(Candidate):
         to the first token."""
         self.cm = self.att.open(0, until=self.deadline)
         self.mark_sent()
+        self.last = trio.current_time()  # a first_token_timeout counts from here
         return self.cm
 
     async def send_now(self) -> bool:
@@ -163,7 +164,8 @@ class InlineReader(Candidate):
                     self.cm = None  # the exchange let its connection go
                     raise
                 self.to(Step.HEAD)
-                self.last = trio.current_time()
+                if att.pool.first_token is None:  # else the first chunk's limit counts from
+                    self.last = trio.current_time()  # the request's send (``exchange``)
             resp, reader, timer = self.resp, self.reader, self.timer
             while True:
                 # Bytes already there need no timer (a cancel scope per chunk was a measurable
@@ -177,7 +179,7 @@ class InlineReader(Candidate):
                         raise stash
                     raw = stash
                 if raw is None:
-                    limit = min(self.deadline, self.last + gap)
+                    limit = min(self.deadline, self.last + (gap if self.heard else att.first))
                     if timer is None or not timer.running:
                         with trio.move_on_at(limit) as scope:
                             await resp.wait_readable()
@@ -316,7 +318,9 @@ class InlineReader(Candidate):
     def timer_due(self, now: float) -> float | None:
         """This reader's :class:`WaitTimer` entry is due: the time to re-arm it at, or None
         (the limit passed: if the reader waits, close its connection to wake it)."""
-        limit = min(self.deadline, self.last + self.att.g.token_gap_timeout)
+        att = self.att
+        gap = att.g.token_gap_timeout if self.heard else att.first
+        limit = min(self.deadline, self.last + gap)
         if limit > now:
             return limit  # still armed: the timer re-pushes the same holder
         self.holder = None  # the timer dropped the entry

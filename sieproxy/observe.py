@@ -42,7 +42,7 @@ CLIENT_CLOSED = 499
 NO_RESPONSE = 444
 
 #: Why a request moved to a fallback (sieproxy/fallback.py).
-FALLBACK_CAUSES = ("no_replica", "full", "failed")
+FALLBACK_CAUSES = ("no_replica", "full", "failed", "first_token", "context")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -190,7 +190,8 @@ class Observer:
             "sieproxy_fallbacks",
             "Requests moved before any byte to a fallback of the model they named, by cause "
             "(no_replica: none ready; full: no room past admission_wait; failed: the engine "
-            "failed in a way the retry rules allow).",
+            "failed in a way the retry table allows; first_token: nothing within the model's "
+            "first_token_timeout; context: the prompt too long for the model).",
             ["model", "cause"],
             registry=r,
         )

@@ -12,12 +12,11 @@ Routing, for one request (all its candidates go to one replica and its prefix ca
    key cannot overload a replica, and every gateway process picks the same replica.
 4. Otherwise the least loaded replica wins (ties: fewest own candidates, then fewest total).
 
-Load: a replica's load is the gateway's own outstanding candidates there, unless the engine
-reports its own. The health watcher reads it after each passing check and every
-``load_interval`` between checks (SGLang's ``/v1/loads``, else the older ``/get_load``: running
-+ waiting requests, over its data-parallel ranks); between two reads the load is the engine's
-figure plus the change in this process's own count since the read (never less than the own
-count), so gateway processes sharing a fleet balance on the engine's real queue.
+Load: the gateway's own outstanding candidates, unless the engine reports its own (read after
+each passing check and every ``load_interval``: SGLang's ``/v1/loads``, else ``/get_load``:
+running + waiting, over its data-parallel ranks); between two reads, the engine's figure plus
+the change in this process's own count since (never less than that count), so gateway processes
+sharing a fleet balance on the engine's real queue.
 
 Admission: a replica holds at most ``replica_max_inflight`` candidates. When every matching
 replica is full the request waits (bounded by ``admission_wait``), then gets 503 + Retry-After.
@@ -102,6 +101,7 @@ class Replica:
 
 class ModelPool:
     """The replicas of one model."""
+    first_token: float | None = None  # the model's ``first_token_timeout`` (sieproxy.attempt)
 
     def __init__(
         self,

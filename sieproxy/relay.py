@@ -8,11 +8,9 @@ table and the token step every driver uses: ``sieproxy.candidate``). The HTTP la
 requests go out at once, so writing the response head overlaps the engine's work), then calls
 :meth:`~GenerationBody.prime`, which waits for the first upstream event. If the engine failed
 before producing anything, ``prime`` raises the error for the status line (503 + Retry-After,
-400, 500, ...), after one retry on another ready replica when the failure came without waiting
-(unreachable, an error status, a broken connection; never a timeout: that engine reached a
-model, and the client would wait for the gap twice), then on the model's fallbacks, each once
-(``sieproxy.fallback``). Otherwise the status is 200 and the body streams (non-streaming: the
-whole answer is collected first).
+400, 500, ...) once the retry table has no move left (``core.retry``, carried out by
+``sieproxy.failover``: the same replica, another one, the model's fallbacks). Otherwise the
+status is 200 and the body streams (non-streaming: the whole answer is collected first).
 
 ``n`` > 1 (or best_of): one task per candidate (:meth:`~sieproxy.attempt.Attempt.run`)
 streams into its ``clone()`` of a *bounded* channel. The merger runs in the response task
@@ -42,9 +40,10 @@ import trio
 from .attempt import Attempt
 from .candidate import Event
 from .channels import take
-from .core.errors import EngineTimeout, GatewayError, InternalError, UpstreamError
+from .core.errors import GatewayError, InternalError
 from .core.refusal import RequestFields
 from .engine_client import EngineClient, Exchange
+from .failover import Failover, retry_bodies
 from .inline import InlineReader
 from .merge import Merger, Shaper, buffered
 from .pool import ModelPool, Replica, RouteHints
@@ -70,7 +69,7 @@ class GenerationBody:
         "_client",
         "_deadline",
         "_done",
-        "_fallback",
+        "_fo",
         "_g",
         "_held",
         "_hints",
@@ -110,7 +109,7 @@ class GenerationBody:
         fields: RequestFields | None = None,
     ) -> None:
         self._g = g
-        self._fallback = fallback
+        self._fo = Failover(g, fallback)
         self._client = client
         self._hints = hints
         self.streaming = streaming
@@ -300,7 +299,6 @@ class GenerationBody:
     async def prime(self) -> bytes:
         """Wait for the first upstream event (streaming) or the whole answer; raises the error
         for the status line, after the retry and the fallbacks (the module docstring)."""
-        retried = False
         head = self._m.shaper.start()  # role chunks; sent only if the engine answers
         while True:
             try:
@@ -315,37 +313,31 @@ class GenerationBody:
                     out += frames
                 self._done = True
                 return out + self._m.shaper.end()
-            except UpstreamError as exc:
-                # Nothing reached the client yet. Not retried: a refusal (4xx), a timeout.
-                if (
-                    self._m.handled_any
-                    or isinstance(exc, EngineTimeout)
-                    or not (exc.retryable or exc.status >= 500)
-                ):
+            except GatewayError as exc:
+                # Nothing reached the client yet: the retry table decides (sieproxy.failover).
+                if self._m.handled_any or (moved := await self._fo.recover(self, exc)) is None:
                     raise
-                other = None if retried else await self._other_replica()
-                if other is not None:
-                    retried = True
-                    self.stats.retried = True
-                    await self._restart_on(other)
-                    continue
-                route = None
-                if self._fallback is not None:
-                    route = await self._fallback("failed", self.replica)
-                if route is None:
-                    raise
-                await self._restart_on(route.replica, route)
-                head = self._m.shaper.start()
+                if moved in ("fallback", "context"):
+                    head = self._m.shaper.start()
 
-    async def _other_replica(self) -> Replica | None:
+    @property
+    def deadline(self) -> float:
+        return self._deadline
+
+    async def other_replica(self) -> Replica | None:
         try:
             return await self._up.pool.acquire(self._hints, self._k, exclude=self.replica)
         except GatewayError:
             return None
 
-    async def _restart_on(self, other: Replica, route: Route | None = None) -> None:
+    async def restart_on(
+        self, other: Replica, route: Route | None = None, pause: float = 0.0
+    ) -> None:
         """A new attempt on ``other`` (a retry), or on a fallback's route, once every
-        candidate of the current one has ended."""
+        candidate of the current one has ended; ``pause`` > 0: on the same replica after that
+        pause (its slots are taken again after it)."""
+        again = route is None and other is self._up.replica
+        k = self._up.retry_no + 1
         self._up.end_all("retry")
         self._m.deferred = None
         if self._il is not None:
@@ -356,13 +348,20 @@ class GenerationBody:
                 async for _ in self._recv:  # wait for the old candidates to finish their cleanup
                     pass
         self._release()
+        if again:
+            await trio.sleep(pause)
+            other.inflight += self._k
+            other.total += self._k
         pool, bodies = self._up.pool, self._up.bodies
+        if again:  # fresh rids: the old ones were aborted on this engine
+            bodies = retry_bodies(bodies, k)
         if route is not None:  # a fallback: its model's pool, bodies and shaper from now on
             assert len(route.bodies) == self._k
             pool, bodies, self._hints = route.pool, route.bodies, route.hints
             self._m.reshape(route.shaper)
             self.stats.model = route.model
         self._up = self._m.up = self._attempt(pool, other, bodies)
+        self._up.retry_no = k
         self._held = self._k
         self.stats.replica = other.url
         if self._il is None:

@@ -74,6 +74,10 @@ def check_settings(s: Settings, where: str) -> None:
         raise bad("gateway.admission_wait", "must be >= 0 seconds (0: no wait)")
     if g.max_keepalive_connections < 0:
         raise bad("gateway.max_keepalive_connections", "must be >= 0 (0: no keep-alive)")
+    if g.retry_after_max < 0:
+        raise bad("gateway.retry_after_max", "must be >= 0 seconds (0: never wait for one)")
+    if g.retry_backoff_max < g.retry_backoff:
+        raise bad("gateway.retry_backoff_max", "must be >= `gateway.retry_backoff`")
     if g.breaker_backoff_max < g.breaker_backoff:
         raise bad("gateway.breaker_backoff_max", "must be >= `gateway.breaker_backoff`")
     if g.tokens_file:
@@ -101,6 +105,7 @@ def check_settings(s: Settings, where: str) -> None:
         "load_interval",
         "shutdown_grace",
         "breaker_backoff",
+        "retry_backoff",
     ):
         if getattr(g, key) <= 0:
             raise bad(f"gateway.{key}", "must be a positive number of seconds")
@@ -140,6 +145,8 @@ def check_settings(s: Settings, where: str) -> None:
         if m.routing not in ROUTING_MODES:
             modes = ", ".join(ROUTING_MODES)
             raise bad(f"models.{name}.routing", f"one of {modes}, not {m.routing!r}")
+        if m.first_token_timeout is not None and m.first_token_timeout <= 0:
+            raise bad(f"models.{name}.first_token_timeout", "must be a positive number of seconds")
         if m.max_tool_calls < 1:
             raise bad(f"models.{name}.max_tool_calls", "must be >= 1")
         _check_parsers_and_template(name, m, bad)
@@ -175,6 +182,13 @@ def _check_fallbacks(s: Settings, bad: Callable[[str, str], ConfigError]) -> Non
         served.add(s.embedded_engine.served_name)
     edges: dict[str, list[str]] = {}
     for name, m in s.models.items():
+        for i, entry in enumerate(m.context_fallbacks):
+            key = f"models.{name}.context_fallbacks[{i}]"
+            target = fallback_target(name, entry)[0]
+            if isinstance(entry, FallbackSpec) and entry.model is None:
+                raise bad(key, "name a `model` (a larger-context one)")
+            if target not in served or target == name:
+                raise bad(key, f"must name another model served by this gateway, not {target!r}")
         for i, entry in enumerate(m.fallbacks):
             key = f"models.{name}.fallbacks[{i}]"
             if isinstance(entry, FallbackSpec) and entry.model is None and entry.pool is None:

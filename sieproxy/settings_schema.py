@@ -79,6 +79,13 @@ class GatewaySettings(_Conf):
     admission_wait: float = 5.0
     #: Value of Retry-After on 503 answers, seconds.
     retry_after: int = 2
+    #: An engine's 429/503 whose Retry-After is at most this many seconds is retried on the
+    #: same replica after that pause (the retry table: sieproxy/core/retry.py).
+    retry_after_max: float = 5.0
+    #: Jittered backoff before a retry on the same replica: ``retry_backoff * 2**k`` seconds
+    #: (half to all of it), at most ``retry_backoff_max``.
+    retry_backoff: float = 0.1
+    retry_backoff_max: float = 2.0
     #: Background health checks of each replica.
     health_interval: float = 5.0
     health_timeout: float = 10.0
@@ -131,6 +138,13 @@ class ModelSettings(_Conf):
     #: Tried in order before the first byte when this model cannot serve a request (see
     #: docs/CONFIGURATION.md "Fallbacks"): a model name, or a table with ``model``/``pool``.
     fallbacks: list[str | FallbackSpec] = field(default_factory=list)
+    #: Tried in order before the first byte when a prompt is too long for this model (the
+    #: gateway's check of max_tokens, or the engine's context_length_exceeded).
+    context_fallbacks: list[str | FallbackSpec] = field(default_factory=list)
+    #: Seconds an attempt may take to its first chunk before it is aborted and the request
+    #: moves to another replica or a fallback (None: ``token_gap_timeout`` applies, and a
+    #: timeout is not retried).
+    first_token_timeout: float | None = None
     #: Chat template source: a local tokenizer directory, or an inline Jinja template.
     tokenizer: str | None = None
     chat_template: str | None = None

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,6 +40,7 @@ import trio
 from .core.errors import EngineHTTPError, EngineTruncated, EngineUnreachable, GatewayError
 from .core.http1 import ConnectionClosed, FramingError, ResponseParser
 from .core.refusal import classify_error
+from .core.retry import parse_retry_after
 from .core.upstream_status import REFUSALS
 
 __all__ = [
@@ -320,7 +322,11 @@ class Exchange:
                 text = b""
                 with contextlib.suppress(GatewayError):
                     text = await resp.read_all(DRAIN_LIMIT)
-                raise _status_error(resp.status, text)
+                err = _status_error(resp.status, text)
+                err.upstream_retry_after = parse_retry_after(
+                    parser.headers.get(b"retry-after"), time.time()
+                )
+                raise err
         except BaseException:
             self._release()
             raise

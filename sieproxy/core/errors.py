@@ -175,6 +175,9 @@ class UpstreamError(GatewayError):
     code = "upstream_error"
     retryable = False
     refusal: Refusal | None = None
+    #: The engine's own ``Retry-After`` (seconds), when its error status carried one
+    #: (``core.retry``).
+    upstream_retry_after: float | None = None
 
 
 class EngineUnreachable(UpstreamError, ServiceUnavailable):

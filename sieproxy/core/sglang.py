@@ -37,7 +37,10 @@ Errors (all messages are the gateway's own; engine text is never echoed):
     abort with int status_code       EngineAborted(engine_status=N)
     (a 4xx of either also carries ``refusal``: its text classified by ``core.refusal``)
     abort with null status_code      CandidateFinish(reason="abort")
-    bad JSON / shape / types         EngineMalformed
+    bad JSON / shape / types         EngineMalformed — except, in cumulative mode, a chunk
+                                     that does not decode: skipped (the next chunk repeats
+                                     the whole state: text, logprobs, counts), at most
+                                     ``MAX_SKIPPED`` per candidate
     [DONE] before the terminal chunk EngineTruncated
     EOF before [DONE]                EngineTruncated — unless the terminal chunk was already
                                      seen: SGLang always sends [DONE] after it, but a finished
@@ -96,6 +99,7 @@ from .refusal import classify, engine_stream_error
 from .sse import SSEDecoder
 
 __all__ = [
+    "MAX_SKIPPED",
     "NEG_INF_LOGPROB",
     "SGLANG",
     "Express",
@@ -234,6 +238,10 @@ def _logprobs(meta: _Meta, seen: int, incremental: bool) -> list[TokenLogprob]:
     return out
 
 
+#: Chunks a cumulative-mode reader skips per candidate before a malformed one is an error.
+MAX_SKIPPED = 3
+
+
 class GenerateReader:
     """Reads one candidate's ``/generate`` SSE payloads (see the module docstring)."""
 
@@ -243,6 +251,7 @@ class GenerateReader:
         "_finished",
         "_lp_seen",
         "_prompt_tokens",
+        "_skipped",
         "_tokens",
         "done",
         "incremental",
@@ -256,6 +265,7 @@ class GenerateReader:
         self._tokens = 0
         self._prompt_tokens = 0
         self._finished = False
+        self._skipped = 0  # chunks skipped that did not decode (cumulative mode)
         #: True once ``[DONE]`` was read (an attribute, not a property: read once per token).
         self.done = False
 
@@ -282,7 +292,15 @@ class GenerateReader:
             return None, None
         if self._finished:
             raise EngineMalformed()
-        text, meta = _decode(payload)
+        try:
+            text, meta = _decode(payload)
+        except EngineMalformed:
+            # Cumulative text: the next chunk carries everything this one did. A terminal chunk
+            # lost so is still an error: [DONE] (or the end) then comes before the finish.
+            if self.incremental or self._skipped >= MAX_SKIPPED:
+                raise
+            self._skipped += 1
+            return None, None
         finish = None if meta.finish_reason is None else _finish(meta)
         if finish is not None:
             self._finished = True

@@ -55,7 +55,7 @@ def test_native_reader_takes_bytes_and_gives_events() -> None:
 
 
 def test_native_reader_reports_errors_after_the_events_before_them() -> None:
-    r = sglang.SGLANG.reader(incremental=False, max_line=1 << 16)
+    r = sglang.SGLANG.reader(incremental=True, max_line=1 << 16)  # (cumulative: skipped)
     ev, err = r.feed(_chunk("a", 1) + b"data: {not json\n\n")
     assert [type(e) for e in ev] == [CandidateDelta] and isinstance(err, EngineMalformed)
     cut = sglang.SGLANG.reader(incremental=False, max_line=1 << 16)

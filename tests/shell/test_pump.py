@@ -325,7 +325,12 @@ def _anonymous(events: list[Any]) -> list[Any]:
 
 @pytest.mark.parametrize(
     ("plan", "code"),
-    [(dataclasses.replace(c[1], itl=0.03), c[2]) for c in MID_STREAM],
+    # (SGLang's cumulative stream skips the malformed chunk: the [DONE] after it then comes
+    # before the candidate's finish)
+    [
+        (dataclasses.replace(c[1], itl=0.03), "upstream_truncated" if c[0] == "malformed" else c[2])
+        for c in MID_STREAM
+    ],
     ids=[c[0] for c in MID_STREAM],
 )
 async def test_a_fault_while_carried_ends_the_stream_as_the_task_would(

@@ -127,7 +127,7 @@ class _Resp:
 def _due_reader(waiting: bool) -> tuple[InlineReader, _Resp]:
     """An inline reader with a timer entry; its engine last sent bytes at 0, gap 1 s."""
     g = SimpleNamespace(token_gap_timeout=1.0)
-    att = SimpleNamespace(g=g, stats=None, deadline=100.0, reader=lambda: None)
+    att = SimpleNamespace(g=g, stats=None, deadline=100.0, reader=lambda: None, first=1.0)
     il = InlineReader(att, None, clock=trio.current_time, timer=None, pump=None)  # type: ignore[arg-type]
     resp = _Resp()
     il.resp, il.last, il.waiting = resp, 0.0, waiting  # type: ignore[assignment]

@@ -35,9 +35,10 @@ The mapping (docs/API.md, "POST /v1/messages", says which fields are honoured):
   ``custom``) are refused.
 - ``stop_sequences`` → ``stop``; ``max_tokens`` → ``max_completion_tokens``;
   ``output_config.format`` (``json_schema``) → ``response_format``.
-- ``cache_control`` (anywhere), ``metadata.user_id``, ``context_management``,
-  ``output_config.effort``, ``service_tier`` and ``thinking.budget_tokens`` are accepted and
-  have no effect (the engine's prefix cache works on every request without being asked).
+- ``cache_control`` (anywhere, top level included), ``speed: "standard"``,
+  ``metadata.user_id``, ``context_management``, ``output_config.effort``, ``service_tier`` and
+  ``thinking.budget_tokens`` are accepted and have no effect (the engine's prefix cache works
+  on every request without being asked).
 """
 
 from __future__ import annotations
@@ -113,11 +114,18 @@ class MImage(_Strict, tag_field="type", tag="image"):
     cache_control: CacheControl | None = None
 
 
+class MDirectCaller(_Strict):
+    type: Literal["direct"]
+
+
 class MToolUse(_Strict, tag_field="type", tag="tool_use"):
     id: str
     name: str
     input: dict[str, Any]
     cache_control: CacheControl | None = None
+    # What the SDK's replayed ToolUseBlock carries: a call the model made itself, in no toolset.
+    caller: MDirectCaller | None = None
+    toolset_name: None = None
 
 
 class MToolResult(_Strict, tag_field="type", tag="tool_result"):
@@ -196,6 +204,14 @@ MESSAGES_KNOWN_REJECTED: dict[str, str] = {
         "`mcp_servers` (the MCP connector) needs the API to call MCP servers itself, which this "
         "gateway does not do; run the MCP client on your side and send its tools in `tools`."
     ),
+    "diagnostics": (
+        "`diagnostics` compares with a stored earlier request, and the gateway is stateless: it "
+        "stores none; remove it."
+    ),
+    "inference_geo": (
+        "`inference_geo` chooses among Anthropic's regions; a self-hosted model runs where its "
+        "engines are. Remove it."
+    ),
 }
 
 
@@ -210,9 +226,13 @@ class CountTokensRequest(_Strict, kw_only=True):
     thinking: MThinkingConfig | None = None
     context_management: dict[str, Any] | None = None
     output_config: MOutputConfig | None = None
+    cache_control: CacheControl | None = None
+    speed: Literal["standard", "fast"] | None = None
     # known-rejected (see MESSAGES_KNOWN_REJECTED)
     container: Any = UNSET
     mcp_servers: Any = UNSET
+    diagnostics: Any = UNSET
+    inference_geo: Any = UNSET
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
@@ -579,6 +599,12 @@ def _check_top(req: CountTokensRequest) -> None:
         value = getattr(req, name)
         if value is not UNSET and value is not None:
             raise UnsupportedField(message, param=name)
+    if req.speed == "fast":
+        raise UnsupportedField(
+            "`speed: \"fast\"` is Anthropic's fast mode; a self-hosted model has one speed. "
+            "Send `standard` or omit it.",
+            param="speed",
+        )
     thinking = req.thinking
     if thinking is not None:
         budget = thinking.budget_tokens

@@ -15,7 +15,11 @@ and the ``max_tokens`` cap); the chat rules run on the mapped request, and a cha
 
 The mapping (docs/API.md, "POST /v1/messages", says which fields are honoured):
 
-- ``system`` (a string, or text blocks joined with a newline) → the first system message.
+- ``system`` (a string, or text blocks joined with a newline) → the first system message. A
+  text block that starts with ``x-anthropic-billing-header:`` is dropped: Claude Code puts its
+  billing attribution there (a value that differs per conversation), which is no instruction
+  to a model, and as the prompt's first line it would keep every conversation from sharing the
+  engine's prefix cache of the (long, identical) system prompt.
 - A ``user`` message → its ``tool_result`` blocks first, each a ``tool`` message in block
   order (Anthropic requires them first too), then one user message with its text and image
   blocks (an image's ``base64`` source becomes a ``data:`` URI; a ``url`` source is refused, as
@@ -344,13 +348,19 @@ def translated(err: RequestError, paths: PathMap) -> RequestError:
 # ---------------------------------------------------------------- the mapping
 
 
-def _text_blocks(blocks: list[MText], path: str) -> str:
+#: The start of Claude Code's billing-attribution system block (see the module docstring).
+_BILLING = "x-anthropic-billing-header:"
+
+
+def _text_blocks(blocks: list[MText], path: str, *, skip: str) -> str | None:
+    """The system blocks' text (None: only skipped blocks)."""
     if not blocks:
         raise InvalidRequest(
             f"`{path}` must not be an empty array; send a string or at least one text block.",
             param=path,
         )
-    return "\n".join(b.text for b in blocks)
+    kept = [b.text for b in blocks if not b.text.startswith(skip)]
+    return "\n".join(kept) if kept else None
 
 
 def _image(block: MImage, path: str) -> ImagePart:
@@ -489,9 +499,12 @@ _TAGS: dict[type, str] = {
 def _messages(req: CountTokensRequest, paths: PathMap) -> list[ChatMessage]:
     mapper = _Mapper(paths)
     system = req.system
-    if system is not None:
-        text = system if isinstance(system, str) else _text_blocks(system, "system")
-        mapper.add(ChatMessage("system", text), "system")
+    if isinstance(system, list):
+        text = _text_blocks(system, "system", skip=_BILLING)
+        if text is not None:
+            mapper.add(ChatMessage("system", text), "system")
+    elif system is not None:
+        mapper.add(ChatMessage("system", system), "system")
     if not req.messages:
         raise InvalidRequest("`messages` must contain at least one message.", param="messages")
     last = len(req.messages) - 1

@@ -63,7 +63,8 @@ def test_blocks_map_to_chat_messages_and_tool_calls() -> None:
     roles = [m.role for m in chat.messages]
     assert roles == ["system", "user", "system", "assistant", "tool"]
     system = chat.messages[0].content
-    assert isinstance(system, str) and system.startswith("x-anthropic-billing-header")
+    assert isinstance(system, str) and system.startswith("You are Claude Code")
+    assert "billing" not in system  # Claude Code's billing line is no instruction
     turn = chat.messages[3]
     assert turn.content == "Let me check."  # the thinking block is dropped
     assert turn.tool_calls is not None
@@ -161,6 +162,12 @@ def test_claude_code_turns_keep_their_prefix_key() -> None:
     first = build(claude_code_body("test-model"))
     second = build(claude_code_body("test-model", follow_up=True))
     assert first.prefix_key is not None and first.prefix_key == second.prefix_key
+    # Another conversation's billing line differs: the rendered prompt does not.
+    other = claude_code_body("test-model")
+    other["system"][0]["text"] = "x-anthropic-billing-header: cc_version=2.1.197.c40;"
+    assert build(other).bodies[0]["text"] == first.bodies[0]["text"]
+    only = {**other, "system": other["system"][:1]}
+    assert "<|system|>" not in build(only).bodies[0]["text"].partition("<|user|>")[0]
     assert first.bodies[0]["sampling_params"]["max_new_tokens"] == 32000  # context unknown
     assert "user_0a1b" not in json.dumps(first.bodies[0])  # metadata is never forwarded
 

@@ -196,14 +196,6 @@ def as_error(exc: Exception, request_id: str | None) -> GatewayError:
     return InternalError("The gateway failed to process this request.")
 
 
-#: Each generation endpoint's planner (sieproxy/core/pipeline.py).
-_BUILDERS = {
-    "chat": build_chat,
-    "completions": build_completion,
-    "responses": build_responses,
-    "messages": build_messages,
-    "count_tokens": build_count_tokens,
-}
 #: The endpoints of Anthropic's API: its error envelope, and ``x-api-key`` as the credential.
 _ANTHROPIC = frozenset({"messages", "count_tokens"})
 
@@ -230,7 +222,13 @@ async def _start(
     """Plan the request and admit it: the response body, not entered yet (every status
     decision before the body is primed is taken here)."""
     g = state.settings.gateway
-    builder = _BUILDERS[endpoint]
+    builder = {  # each endpoint's planner (sieproxy/core/pipeline.py), looked up per request
+        "chat": build_chat,
+        "completions": build_completion,
+        "responses": build_responses,
+        "messages": build_messages,
+        "count_tokens": build_count_tokens,
+    }[endpoint]
     created = state.created()
     plan = builder(raw, state.profiles, request_id=rid, created=created)
     pool = state.pools[plan.model]

@@ -69,6 +69,8 @@ _GENERATION = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/responses": "responses",
+    "/v1/messages": "messages",
+    "/v1/messages/count_tokens": "count_tokens",
 }
 
 
@@ -133,7 +135,7 @@ def create_app(state: GatewayState) -> Quart:
             err: GatewayError = MethodNotAllowed(
                 f"{request.method} is not allowed on {request.path}."
             )
-            resp = error_response(err, rid)
+            resp = error_response(err, rid, _GENERATION.get(request.path))
             if exc.valid_methods:  # type: ignore[attr-defined]
                 resp.headers["Allow"] = ", ".join(exc.valid_methods)  # type: ignore[attr-defined]
             return resp

@@ -34,7 +34,15 @@ from .core.errors import (
     InvalidRequest,
     ServiceUnavailable,
 )
-from .core.pipeline import Prepared, build_chat, build_completion, build_responses
+from .core.messages_out import error_reply
+from .core.pipeline import (
+    Prepared,
+    build_chat,
+    build_completion,
+    build_count_tokens,
+    build_messages,
+    build_responses,
+)
 from .fallback import Fallbacks, cause_of, context_plan, context_targets
 from .hypercorn_io import (
     ClientWatch,
@@ -66,9 +74,18 @@ _JSON_CT_B = b"application/json"
 _SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
-def error_response(err: GatewayError, request_id: str | None = None) -> Response:
-    resp = Response(_json.encode(err.envelope()), status=err.status, content_type=_JSON_CT)
-    for k, v in err.headers.items():
+def error_response(
+    err: GatewayError, request_id: str | None = None, endpoint: str | None = None
+) -> Response:
+    """``err`` in the error envelope of ``endpoint``'s API (Anthropic's on the Messages
+    routes, OpenAI's everywhere else)."""
+    if endpoint in _ANTHROPIC:
+        status, headers, body = error_reply(err)
+        resp = Response(body, status=status, content_type=_JSON_CT)
+    else:
+        resp = Response(_json.encode(err.envelope()), status=err.status, content_type=_JSON_CT)
+        headers = err.headers
+    for k, v in headers.items():
         resp.headers[k] = v
     if request_id:
         resp.headers["X-Request-Id"] = request_id
@@ -81,6 +98,7 @@ _WANTED = frozenset(
         b"authorization",
         b"content-length",
         b"content-type",
+        b"x-api-key",
         b"x-request-id",
         b"x-sie-machine-profile",
         b"x-sie-pool",
@@ -124,7 +142,7 @@ async def serve_generation(
         body: GenerationBody | None = None
         try:
             try:
-                check_auth(state, headers.get(b"authorization"))
+                check_auth(state, _credentials(endpoint, headers))
                 g = state.settings.gateway
                 if state.draining:
                     raise ServiceUnavailable(
@@ -149,7 +167,7 @@ async def serve_generation(
                 sdk = headers.get(b"x-sie-sdk-version")
                 state.observer.refusal(endpoint, err, request_id=rid, sdk_version=sdk)
                 client.ended = True
-                await _send_whole(send, error_response(err, rid), close=raw is None)
+                await _send_whole(send, error_response(err, rid, endpoint), close=raw is None)
                 return
             ctype = b"text/event-stream" if body.streaming else _JSON_CT_B
             out = [(b"content-type", ctype), (b"x-request-id", rid.encode("latin-1"))]
@@ -176,6 +194,17 @@ def as_error(exc: Exception, request_id: str | None) -> GatewayError:
     return InternalError("The gateway failed to process this request.")
 
 
+#: The endpoints of Anthropic's API: its error envelope, and ``x-api-key`` as the credential.
+_ANTHROPIC = frozenset({"messages", "count_tokens"})
+
+
+def _credentials(endpoint: str, headers: dict[bytes, str]) -> str | None:
+    """The ``Authorization`` value to check: on Anthropic's routes an ``x-api-key`` (which
+    Anthropic clients send) is checked as its bearer token, and wins over ``Authorization``."""
+    key = headers.get(b"x-api-key") if endpoint in _ANTHROPIC else None
+    return f"Bearer {key}" if key is not None else headers.get(b"authorization")
+
+
 def check_auth(state: GatewayState, raw: str | None) -> None:
     state.auth.check(raw.encode("utf-8", "surrogateescape") if raw is not None else None)
 
@@ -191,10 +220,13 @@ async def _start(
     """Plan the request and admit it: the response body, not entered yet (every status
     decision before the body is primed is taken here)."""
     g = state.settings.gateway
-    if endpoint == "chat":
-        builder = build_chat
-    else:
-        builder = build_completion if endpoint == "completions" else build_responses
+    builder = {  # each endpoint's planner (sieproxy/core/pipeline.py), looked up per request
+        "chat": build_chat,
+        "completions": build_completion,
+        "responses": build_responses,
+        "messages": build_messages,
+        "count_tokens": build_count_tokens,
+    }[endpoint]
     created = state.created()
 
     def planner(m: str | None = None) -> Prepared:
@@ -309,7 +341,8 @@ async def _send_generation(
         except Exception as exc:
             err = body.stats.error = as_error(exc, body.stats.request_id)
             body.stats.responded = client.ended = True
-            await _send_whole(send, error_response(err, body.stats.request_id))
+            resp = error_response(err, body.stats.request_id, body.stats.endpoint)
+            await _send_whole(send, resp)
             return
         # The head and the first frames go out in one socket write; the whole answer (not
         # streamed, or a stream whose engine sent all of it at once) with the body's end too.

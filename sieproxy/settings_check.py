@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from .core.aliases import alias_conflict
 from .core.protocol import PROTOCOLS
 from .core.reasoning import make_reasoning_parser
 from .core.template import check_template
@@ -166,12 +167,26 @@ def check_settings(s: Settings, where: str) -> None:
             f"model {s.embedded_engine.served_name!r} is also configured under [models]",
         )
     _check_fallbacks(s, bad)
+    _check_aliases(s, bad)
     if not s.models and not s.embedded_engine.enabled:
         raise bad(
             "models",
             "no model is served: add a `[models.<name>]` table with its `engines`, or set "
             "`[embedded_engine] enabled = true`",
         )
+
+
+def _check_aliases(s: Settings, bad: Callable[[str, str], ConfigError]) -> None:
+    """No alias means two models, or shadows a served name (sieproxy/core/aliases.py)."""
+    named = {name: m.aliases for name, m in s.models.items()}
+    emb = s.embedded_engine
+    if emb.enabled:
+        named[emb.served_name] = emb.aliases
+    clash = alias_conflict(named)
+    if clash is not None:
+        owner = "embedded_engine" if emb.enabled and clash[0] == emb.served_name else None
+        where = owner or f"models.{clash[0]}"
+        raise bad(f"{where}.aliases[{clash[1]}]", clash[2])
 
 
 def _check_fallbacks(s: Settings, bad: Callable[[str, str], ConfigError]) -> None:

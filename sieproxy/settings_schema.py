@@ -161,6 +161,9 @@ class ModelSettings(_Conf):
     max_tool_calls: int = 4
     #: Extra stop strings every request of this model gets.
     stop: list[str] = field(default_factory=list)
+    #: Other names clients may ask for: exact names, or glob patterns such as ``claude-*``
+    #: (sieproxy/core/aliases.py).
+    aliases: list[str] = field(default_factory=list)
     #: Replica choice: ``prefix`` (affinity on the client's key, else the prompt's leading
     #: block), ``key_only`` (the client's key only), ``least_loaded`` (no affinity).
     routing: str = "prefix"
@@ -196,6 +199,8 @@ class EmbeddedEngine(_Conf):
     extra_args: list[str] = field(default_factory=list)
     tool_parser: str | None = None
     reasoning_parser: str | None = None
+    #: Other names the served model answers to (as ``models.<name>.aliases``).
+    aliases: list[str] = field(default_factory=list)
 
     def engine_args(self) -> list[str]:
         """Engine arguments from the keys above, then ``extra_args``."""

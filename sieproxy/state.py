@@ -94,6 +94,7 @@ def effective_models(settings: Settings) -> dict[str, ModelSettings]:
             engines=[EngineSpec(url=url)],
             tool_parser=e.tool_parser or (DEFAULT_MODEL_TOOL_PARSER if default else None),
             reasoning_parser=e.reasoning_parser,
+            aliases=list(e.aliases),
         )
     return models
 
@@ -118,6 +119,7 @@ def _profile(name: str, m: ModelSettings, settings: Settings) -> ModelProfile:
         template_vars=variables,
         stop=tuple(m.stop),
         render=m.render_mode(),
+        aliases=tuple(m.aliases),
         pools=frozenset(s.pool for s in engine_specs(m) if s.pool),
         machine_profiles=frozenset(s.machine_profile for s in engine_specs(m) if s.machine_profile),
     )

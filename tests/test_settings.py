@@ -61,7 +61,18 @@ BROKEN_TEMPLATE = "{% for m in messages %}{{ m['content'] }}"  # no endfor
 
 #: Values accepted by the types but fatal (or meaningless) later: each must stop the load,
 #: naming its key. (file text, key, a word of the problem)
+_TWO = "[models.a]\nengines = ['http://x']\n{a}[models.b]\nengines = ['http://y']\n{b}"
 REFUSED_AT_LOAD = [
+    (_TWO.format(a="aliases = ['b']\n", b=""), "models.a.aliases[0]",
+     "'b' is the name of a served model"),
+    (_TWO.format(a="aliases = ['claude-*']\n", b="aliases = ['x', 'claude-*']\n"),
+     "models.b.aliases[1]", "'claude-*' is already an alias of model 'a'"),
+    (_TWO.format(a="aliases = ['[ab]']\n", b=""), "models.a.aliases[0]",
+     "pattern '[ab]' matches the served model 'a'"),
+    (_TWO.format(a="aliases = ['']\n", b=""), "models.a.aliases[0]", "non-empty"),
+    ("[embedded_engine]\nenabled = true\nkind = 'fake'\naliases = ['claude-*']\n"
+     "[models.m]\nengines = ['http://x']\naliases = ['claude-*']\n",
+     "embedded_engine.aliases[0]", "'claude-*' is already an alias of model 'm'"),
     ("[models.m]\nengines = ['http://x']\ntool_parser = 'nope'\n",
      "models.m.tool_parser", "unknown tool-call parser 'nope'"),
     ("[models.m]\nengines = ['http://x']\nreasoning_parser = 'nope'\n",
@@ -288,3 +299,8 @@ def test_a_bad_fast_paths_variable_is_refused(
     monkeypatch.setenv("SIEPROXY_FAST_PATHS", "maybe")
     with pytest.raises(ConfigError, match="SIEPROXY_FAST_PATHS: expected 0 or 1"):
         load_settings(_write(tmp_path, GOOD))
+
+
+def test_aliases_load(tmp_path: Path) -> None:
+    text = "[models.m]\nengines = ['http://x']\naliases = ['claude-*', 'gpt-4o']\n"
+    assert load_settings(_write(tmp_path, text)).models["m"].aliases == ["claude-*", "gpt-4o"]

@@ -235,6 +235,11 @@ class ChoiceState:
     def finished(self) -> bool:
         return self.phase is ChoicePhase.FINISHED
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string the gateway matched (None: none matched)."""
+        return self._stop.matched
+
     # ------------------------------------------------------------------ events
 
     def feed(self, delta: CandidateDelta) -> ChoiceDelta:

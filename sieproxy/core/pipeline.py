@@ -15,9 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .affinity import prefix_key
+from .aliases import resolve_alias
 from .errors import GatewayError, NotFound, RequestError
 from .events import CandidateDelta, CandidateFinish, ReasoningParser, ToolCallParser
 from .merger import ChatCollector, ChatStream, CompletionCollector, CompletionStream
+from .messages import decode_count_tokens, decode_messages, for_model
+from .messages import translated as messages_translated
+from .messages_out import CountShaper, MessagesShaper
 from .openai_chat import plan_engine_chat
 from .plan import ChatPlan, merge_stops, plan_chat, plan_completion
 from .profile import ModelProfile
@@ -30,7 +34,15 @@ from .schemas import ChatCompletionRequest, CompletionRequest
 from .toolparse import make_tool_parser
 from .validate import check_chat, check_completion, decode_chat, decode_completion
 
-__all__ = ["Prepared", "build_chat", "build_completion", "build_responses", "find_profile"]
+__all__ = [
+    "Prepared",
+    "build_chat",
+    "build_completion",
+    "build_count_tokens",
+    "build_messages",
+    "build_responses",
+    "find_profile",
+]
 
 
 class _Collected:
@@ -83,8 +95,9 @@ class Prepared:
 
 
 def find_profile(profiles: Mapping[str, ModelProfile], model: str) -> ModelProfile:
-    """The served model ``model``, or 404 ``model_not_found`` naming ``param: "model"``."""
-    profile = profiles.get(model)
+    """The served model ``model`` (or the one it is an alias of: ``core.aliases``), or 404
+    ``model_not_found`` naming ``param: "model"``."""
+    profile = profiles.get(model) or resolve_alias(profiles, model)
     if profile is None:
         raise NotFound(
             f"The model {model!r} does not exist; GET /v1/models lists the served models.",
@@ -103,7 +116,9 @@ def _serving(
     response then names it), else the one the request names (404 when unknown)."""
     if model is not None:
         req.model = model
-    return find_profile(profiles, req.model)
+    profile = find_profile(profiles, req.model)
+    req.model = profile.name  # an alias names the served model from here on
+    return profile
 
 
 def _parsers(
@@ -267,4 +282,87 @@ def build_responses(
             grammar="tools" if req.response_format is None or req.response_format.type == "text"
             else "text.format",
         ),
+    )
+
+
+def build_messages(
+    raw: bytes,
+    profiles: Mapping[str, ModelProfile],
+    *,
+    request_id: str,
+    created: int,
+    model: str | None = None,
+) -> Prepared:
+    """``POST /v1/messages``: the chat path with one candidate (``core.messages``), shaped by
+    :class:`MessagesShaper`."""
+    mreq, req, paths = decode_messages(raw)
+    profile = _serving(profiles, req, model)
+    capped = for_model(mreq, req, profile)
+    try:
+        valid = check_chat(req, profile)
+    except RequestError as err:
+        raise messages_translated(err, paths) from err
+    plan = _plan(valid, profile, request_id)
+    if capped:  # up to the context's end (``core.messages.for_model``)
+        for body in plan.bodies:
+            if "chat" in body:  # the engine renders (``core.openai_chat``): no max_tokens
+                body["chat"].pop("max_tokens", None)
+            else:
+                body["sampling_params"]["max_new_tokens"] = None
+    valid.stop = merge_stops(valid.stop, profile.stop)
+    tool_factory, reasoning_factory = _parsers(req, plan, request_id)
+    shaper = MessagesShaper(
+        valid,
+        request_id=request_id,
+        model=req.model,
+        stop_sequences=mreq.stop_sequences,
+        reasoning_parser=reasoning_factory,
+        tool_parser=tool_factory,
+    )
+    return Prepared(
+        model=req.model,
+        n=1,
+        stream=valid.stream,
+        bodies=plan.bodies,
+        shaper=shaper,
+        affinity_key=None,
+        prefix_key=plan.prefix_key,
+        fields=RequestFields(
+            prompt="messages",
+            max_tokens="max_tokens",
+            grammar="tools" if req.response_format is None else "output_config.format",
+        ),
+    )
+
+
+def build_count_tokens(
+    raw: bytes,
+    profiles: Mapping[str, ModelProfile],
+    *,
+    request_id: str,
+    created: int,
+    model: str | None = None,
+) -> Prepared:
+    """``POST /v1/messages/count_tokens``: the Messages prompt rendered as for a generation,
+    sent to the engine with ``max_new_tokens: 0`` (prefill only: the engine's tokenizer counts
+    it), answered by :class:`CountShaper`."""
+    mreq, req, paths = decode_count_tokens(raw)
+    profile = _serving(profiles, req, model)
+    for_model(mreq, req, profile)
+    try:
+        valid = check_chat(req, profile)
+    except RequestError as err:
+        raise messages_translated(err, paths) from err
+    plan = plan_chat(valid, profile, request_id=request_id)
+    [body] = plan.bodies
+    body["sampling_params"] = {"max_new_tokens": 0}
+    return Prepared(
+        model=req.model,
+        n=1,
+        stream=False,
+        bodies=[body],
+        shaper=CountShaper(),
+        affinity_key=None,
+        prefix_key=plan.prefix_key,
+        fields=RequestFields(prompt="messages", max_tokens="max_tokens"),
     )

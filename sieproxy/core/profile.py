@@ -40,6 +40,8 @@ class ModelProfile:
     #: Learned from the engine (``/server_info``, ``/model_info``) once it is up; None: unknown.
     context_length: int | None = None
     vocab_size: int | None = None
+    #: Other names the model answers to: exact names and glob patterns (``core.aliases``).
+    aliases: tuple[str, ...] = ()
 
     @property
     def accepts_images(self) -> bool:

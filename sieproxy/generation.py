@@ -35,7 +35,7 @@ from .core.errors import (
     InvalidRequest,
     ServiceUnavailable,
 )
-from .core.pipeline import build_chat, build_completion, build_responses
+from .core.pipeline import Prepared, build_chat, build_completion, build_responses
 from .fallback import Fallbacks, cause_of
 from .hypercorn_io import (
     body_writer,
@@ -49,6 +49,9 @@ from .relay import GenerationBody
 from .request_body import ClientGone, read_body
 from .state import GatewayState
 from .stats import RequestStats
+from .tenancy.gate import requested_model, reservation
+from .tenancy.keys import KeyEntry
+from .tenancy.limiter import Lease
 
 __all__ = [
     "as_error",
@@ -125,9 +128,10 @@ async def serve_generation(
     client = _Client()
     async with trio.open_nursery() as nursery:
         body: GenerationBody | None = None
+        entry: KeyEntry | None = None
         try:
             try:
-                check_auth(state, headers.get(b"authorization"))
+                entry = check_auth(state, headers.get(b"authorization"))
                 g = state.settings.gateway
                 if state.draining:
                     raise ServiceUnavailable(
@@ -136,7 +140,8 @@ async def serve_generation(
                     )
                 raw = await read_body(headers, receive, g.max_body_bytes, body_timeout)
                 nursery.start_soon(_watch_client, receive, nursery.cancel_scope, client)
-                body = await _start(state, endpoint, rid, headers, raw, client)
+                started = await _start(state, endpoint, rid, headers, raw, client, entry)
+                body, limit_headers = started
             except ClientGone:
                 refused = refusal()  # the connection answered a body it could not read
                 if refused is None:
@@ -150,7 +155,9 @@ async def serve_generation(
             except Exception as exc:
                 err = as_error(exc, rid)  # counted with no model label: it may be unknown
                 sdk = headers.get(b"x-sie-sdk-version")
-                state.observer.refusal(endpoint, err, request_id=rid, sdk_version=sdk)
+                state.observer.refusal(
+                    endpoint, err, request_id=rid, sdk_version=sdk, tenant=tenant_of(entry)
+                )
                 client.ended = True
                 await _send_whole(send, error_response(err, rid), close=raw is None)
                 return
@@ -158,6 +165,7 @@ async def serve_generation(
             out = [(b"content-type", ctype), (b"x-request-id", rid.encode("latin-1"))]
             if body.streaming:
                 out += _SSE_HEADERS
+            out += limit_headers
             await _send_generation(send, out, body, client)
         finally:
             if body is not None:
@@ -179,8 +187,13 @@ def as_error(exc: Exception, request_id: str | None) -> GatewayError:
     return InternalError("The gateway failed to process this request.")
 
 
-def check_auth(state: GatewayState, raw: str | None) -> None:
-    state.auth.check(raw.encode("utf-8", "surrogateescape") if raw is not None else None)
+def check_auth(state: GatewayState, raw: str | None) -> KeyEntry | None:
+    """The key's entry (its tenant), None with auth off; 401 otherwise."""
+    return state.auth.check(raw.encode("utf-8", "surrogateescape") if raw is not None else None)
+
+
+def tenant_of(entry: KeyEntry | None) -> str | None:
+    return entry.tenant.name if entry is not None else None
 
 
 async def _start(
@@ -190,10 +203,13 @@ async def _start(
     headers: dict[bytes, str],
     raw: bytes,
     client: _Client,
-) -> GenerationBody:
+    entry: KeyEntry | None,
+) -> tuple[GenerationBody, list[tuple[bytes, bytes]]]:
     """Plan the request and admit it: the response body, not entered yet (every status
-    decision before the body is primed is taken here)."""
-    g = state.settings.gateway
+    decision before the body is primed is taken here), and the rate-limit headers."""
+    tenancy = state.tenancy
+    if entry is not None and entry.models is not None:  # before the body's own checks
+        tenancy.check_model(entry, requested_model(raw))
     if endpoint == "chat":
         builder = build_chat
     else:
@@ -208,9 +224,43 @@ async def _start(
         prefix_key=plan.prefix_key,
     )
     pool.check_hints(hints)
+    prompt_estimate, cap, k = reservation(plan.bodies)
+    lease = await tenancy.admit(
+        entry, prompt_tokens=prompt_estimate, max_tokens=cap, candidates=k,
+        param=plan.fields.max_tokens,
+    )  # fmt: skip
+    try:
+        return await _admitted(
+            state, endpoint, rid, headers, raw, client, entry, plan, builder, created, hints,
+            lease, prompt_estimate,
+        )  # fmt: skip
+    except BaseException:
+        tenancy.settle(lease, 0)  # refused or gone before it ran: nothing used
+        raise
+
+
+async def _admitted(
+    state: GatewayState,
+    endpoint: str,
+    rid: str,
+    headers: dict[bytes, str],
+    raw: bytes,
+    client: _Client,
+    entry: KeyEntry | None,
+    plan: Prepared,
+    builder: Any,
+    created: int,
+    hints: RouteHints,
+    lease: Lease,
+    prompt_estimate: int,
+) -> tuple[GenerationBody, list[tuple[bytes, bytes]]]:
+    """The rest of :func:`_start` once the tenant's limits admitted the request."""
+    g = state.settings.gateway
+    pool = state.pools[plan.model]
     stats = RequestStats(
         request_id=rid, model=plan.model, endpoint=endpoint, n=plan.n, stream=plan.stream
     )
+    stats.tenant = tenant_of(entry)
     stats.sdk_version = headers.get(b"x-sie-sdk-version")
     fb: Fallbacks | None = None  # made when first needed (sieproxy/fallback.py)
 
@@ -232,8 +282,11 @@ async def _start(
 
     conf = state.settings.models.get(plan.model)
     has_fallbacks = conf is not None and bool(conf.fallbacks)
+    queued_at = trio.current_time()
     try:
-        replica = await pool.acquire(hints, len(plan.bodies))
+        replica = await pool.acquire(
+            hints, len(plan.bodies), ticket=state.tenancy.ticket(entry, lease.reserved)
+        )
     except ServiceUnavailable as exc:
         route = await fallbacks().next(cause_of(exc)) if has_fallbacks else None
         if route is None:
@@ -241,11 +294,16 @@ async def _start(
         pool, hints, replica, stats.model = route.pool, route.hints, route.replica, route.model
         plan = fallbacks().current
     stats.replica = replica.url
+    stats.admission_wait = trio.current_time() - queued_at
 
     def finish(b: GenerationBody) -> None:
         served = fb.current if fb is not None else plan
         b.stats.prompt_tokens, b.stats.completion_tokens = served.usage()
         b.stats.outcome = client.outcome()
+        prompt = b.stats.prompt_tokens
+        if not prompt and b.stats.first_token_at is not None:
+            prompt = prompt_estimate  # the engine ran it but did not say (cut before usage)
+        state.tenancy.settle(lease, prompt + b.stats.completion_tokens)
         state.observer.request_done(b.stats)
 
     body = GenerationBody(
@@ -265,7 +323,7 @@ async def _start(
         fields=plan.fields,
     )
     state.active.add(body)
-    return body
+    return body, [(k.encode(), v.encode()) for k, v in lease.headers().items()]
 
 
 async def _send_generation(

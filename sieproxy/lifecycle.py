@@ -69,8 +69,8 @@ async def announce_ready(state: GatewayState, binds: list[str]) -> None:
 def reload_settings(state: GatewayState, path: str | None) -> list[str]:
     """Re-read the configuration and apply what can change while serving (SIGHUP).
 
-    Applied: bearer tokens, the keys file and the auth switch; each served model's engine list, its DNS
-    entries and ``engines_file`` included (replicas added, relabelled or removed; see
+    Applied: bearer tokens, the keys file and the auth switch; each served model's engine
+    list, its DNS entries and ``engines_file`` included (replicas added, relabelled or removed; see
     ``ModelPool.set_engines`` and ``sieproxy.discovery``). Everything else (models added
     or removed, templates, other ``[gateway]`` keys) needs a restart and is reported, not
     applied. Raises ``ConfigError`` for an invalid file, leaving the running configuration as

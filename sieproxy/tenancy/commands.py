@@ -98,7 +98,9 @@ def _keys(args: Any, settings: Settings) -> int:
         )
         return 0
     if args.keys_cmd == "list":
-        rows = [("ID", "TENANT", "MODELS", "PRIORITY", "RPM", "TPM", "CONCURRENCY", "CREATED")]
+        rows: list[tuple[str, ...]] = [
+            ("ID", "TENANT", "MODELS", "PRIORITY", "RPM", "TPM", "CONCURRENCY", "CREATED")
+        ]
         for _, ln in read_lines(_read(path), path):
             rows.append((ln.id, ln.tenant, ",".join(ln.models), ln.priority, _n(ln.rpm),
                          _n(ln.tpm), _n(ln.concurrency), ln.created or "-"))  # fmt: skip
@@ -166,7 +168,9 @@ def _usage(args: Any, settings: Settings) -> int:
         print(json.dumps({"since": args.since, "tenants": totals}, indent=2, sort_keys=True))
         return 0
     cols = ("requests", "prompt_tokens", "completion_tokens")
-    rows = [("TENANT", "REQUESTS", "PROMPT_TOKENS", "COMPLETION_TOKENS", "REJECTED")]
+    rows: list[tuple[str, ...]] = [
+        ("TENANT", "REQUESTS", "PROMPT_TOKENS", "COMPLETION_TOKENS", "REJECTED")
+    ]
     for tenant in sorted(totals):
         t = totals[tenant]
         rejected = sum(v for k, v in t.items() if k.startswith("rejected_"))

@@ -291,21 +291,16 @@ class ModelPool:
         ticket = ticket or Ticket(cost=k)
         r, any_live = self._choose(h, k, exclude)
         if r is None and any_live and wait:  # every matching replica is full: wait for a slot
-            w = self.queue.add(ticket, h, k, exclude)
             self.waiting += 1
             try:
-                with trio.move_on_after(self._g.admission_wait):  # (no timer when there is room)
-                    await w.event.wait()
-            except BaseException:
-                if w.replica is not None:
-                    self.release(w.replica, k)  # granted as the request was cancelled
-                raise
+                wait_for = self._g.admission_wait  # (no timer when there is room)
+                got: Replica | None = await self.queue.wait(
+                    ticket, h, k, exclude, wait_for, self.release
+                )
             finally:
                 self.waiting -= 1
-                self.queue.remove(w)
-            if w.replica is not None:
-                granted: Replica = w.replica  # its slots were taken when it was granted
-                return granted
+            if got is not None:
+                return got  # its slots were taken when it was granted
         elif r is not None:
             r.inflight += k
             r.total += k

@@ -48,6 +48,29 @@ class AdmissionQueue:
         self.waiters.append(w)
         return w
 
+    async def wait(
+        self,
+        ticket: Ticket,
+        hints: Any,
+        k: int,
+        exclude: Any,
+        timeout: float,
+        release: Callable[[Any, int], None],
+    ) -> Any:
+        """Wait up to ``timeout`` s for a slot: the granted replica (its slots taken), or None.
+        Cancelled as it was granted, the slots go back (``release``)."""
+        w = self.add(ticket, hints, k, exclude)
+        try:
+            with trio.move_on_after(timeout):
+                await w.event.wait()
+        except BaseException:
+            if w.replica is not None:
+                release(w.replica, k)
+            raise
+        finally:
+            self.remove(w)
+        return w.replica
+
     def remove(self, w: Waiter) -> None:
         if w in self.waiters:
             self.waiters.remove(w)

@@ -127,3 +127,25 @@ def test_old_tokens_are_tenants_with_no_limits() -> None:
     entry = auth.check(b"Bearer old-token")
     assert entry is not None and entry.tenant.limits.unlimited and entry.models is None
     assert entry.tenant.name == "token-" + hashlib.sha256(b"old-token").hexdigest()[:8]
+
+
+def test_redis_url_and_batch_promote_after_are_checked(tmp_path: Path) -> None:
+    keys = write_keys(tmp_path / "keys.jsonl", key_line("k0", "t"))
+    cfg = _config(tmp_path, keys)
+    text = cfg.read_text()
+    cfg.write_text(text.replace("[gateway]\n", '[gateway]\nredis_url = "http://x"\n'))
+    with pytest.raises(ConfigError, match=r"gateway\.redis_url"):
+        load_settings(cfg)
+    cfg.write_text(text.replace("[gateway]\n", "[gateway]\nbatch_promote_after = 0\n"))
+    with pytest.raises(ConfigError, match=r"gateway\.batch_promote_after"):
+        load_settings(cfg)
+    cfg.write_text(text.replace("[gateway]\n", '[gateway]\nredis_url = "redis://h:6379/0"\n'))
+    assert load_settings(cfg).gateway.redis_url == "redis://h:6379/0"
+
+
+def test_a_keys_file_turns_auth_on() -> None:
+    auth = Authenticator(False, [], parse_keys(key_line("k0", "t"), "k", SERVED))
+    with pytest.raises(AuthenticationError):
+        auth.check(None)
+    entry = auth.check(b"Bearer k0")
+    assert entry is not None and entry.tenant.name == "t"

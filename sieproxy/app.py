@@ -42,6 +42,7 @@ from .generation import (
 from .hypercorn_io import body_consumed
 from .request_body import too_large
 from .state import GatewayState
+from .tenancy.keys import KeyEntry
 
 __all__ = ["GatewayApp", "GatewayHTTPConnection", "GatewayState", "create_app"]
 
@@ -152,12 +153,12 @@ def create_app(state: GatewayState) -> Quart:
         rid = getattr(request, "sie_request_id", None)
         return error_response(as_error(exc, rid), rid)
 
-    def _auth(kind: str = "api") -> None:
+    def _auth(kind: str = "api") -> KeyEntry | None:
         if kind == "health" and not g.auth_health:
-            return
+            return None
         if kind == "metrics" and not g.auth_metrics:
-            return
-        check_auth(state, request.headers.get("Authorization"))
+            return None
+        return check_auth(state, request.headers.get("Authorization"))
 
     # POST on the generation routes is answered before Quart routes it (GatewayHTTPConnection);
     # the rules, with no view, are here so that any other method gets 405 with `Allow: POST`.
@@ -166,13 +167,13 @@ def create_app(state: GatewayState) -> Quart:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        _auth()
-        data = [_model_object(name) for name in state.profiles]
+        entry = _auth()  # a key lists only the models it may use
+        data = [_model_object(m) for m in state.profiles if entry is None or entry.may_use(m)]
         return Response(_json.encode({"object": "list", "data": data}), content_type=_JSON_CT)
 
     @app.get("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
-        _auth()
+        state.tenancy.check_model(_auth(), model_id)  # the same 404 as for an unknown id
         find_profile(state.profiles, model_id)  # 404 model_not_found for an unknown id
         return Response(_json.encode(_model_object(model_id)), content_type=_JSON_CT)
 

@@ -18,7 +18,9 @@ from .core.reasoning import REASONING_PARSERS
 from .core.toolparse import TOOL_PARSERS
 from .engine_check import check_engine_setup
 from .quickstart import ModelFlags, serve_settings
-from .settings import ConfigError, as_dict
+from .settings import ConfigError, as_dict, load_settings
+from .tenancy.commands import add_parsers as add_tenancy_parsers
+from .tenancy.commands import run_command as run_tenancy_command
 
 __all__ = ["main"]
 
@@ -41,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="sieproxy", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=fmt
     )
     p.add_argument("--version", action="version", version=f"sieproxy {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{serve,config}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{serve,config,keys,usage}")
     s = sub.add_parser(
         "serve",
         help="serve the gateway (default: the embedded CPU engine)",
@@ -77,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--config", metavar="FILE", help="TOML settings file (default: $SIEPROXY_CONFIG, or none)"
     )
+    add_tenancy_parsers(sub)  # keys, usage (sieproxy/tenancy/commands.py)
     return p
 
 
@@ -91,6 +94,12 @@ def _os_error(exc: BaseException) -> OSError | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.cmd in ("keys", "usage"):
+        try:
+            return run_tenancy_command(args, load_settings(args.config, keys=False))
+        except ConfigError as exc:
+            print(f"sieproxy: {exc}", file=sys.stderr)
+            return 2
     flags = ModelFlags(**{k: getattr(args, k, None) for k in ModelFlags.__dataclass_fields__})
     try:
         settings = serve_settings(args.config, flags)

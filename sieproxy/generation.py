@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -56,6 +57,9 @@ from .relay import GenerationBody
 from .request_body import ClientGone, read_body
 from .state import GatewayState
 from .stats import RequestStats
+from .tenancy.gate import requested_model, reservation
+from .tenancy.keys import KeyEntry
+from .tenancy.limiter import Lease
 
 __all__ = [
     "as_error",
@@ -140,9 +144,10 @@ async def serve_generation(
     client = _Client()
     async with ClientWatch(receive) as watch:
         body: GenerationBody | None = None
+        entry: KeyEntry | None = None
         try:
             try:
-                check_auth(state, _credentials(endpoint, headers))
+                entry = check_auth(state, _credentials(endpoint, headers))
                 g = state.settings.gateway
                 if state.draining:
                     raise ServiceUnavailable(
@@ -151,7 +156,7 @@ async def serve_generation(
                     )
                 raw = await read_body(headers, receive, g.max_body_bytes, body_timeout)
                 watch.watch(client.leave)
-                body = await _start(state, endpoint, rid, headers, raw, client)
+                body, limit_headers = await _start(state, endpoint, rid, headers, raw, client, entry)
             except ClientGone:
                 refused = refusal()  # the connection answered a body it could not read
                 if refused is None:
@@ -165,7 +170,9 @@ async def serve_generation(
             except Exception as exc:
                 err = as_error(exc, rid)  # counted with no model label: it may be unknown
                 sdk = headers.get(b"x-sie-sdk-version")
-                state.observer.refusal(endpoint, err, request_id=rid, sdk_version=sdk)
+                state.observer.refusal(
+                    endpoint, err, request_id=rid, sdk_version=sdk, tenant=tenant_of(entry)
+                )
                 client.ended = True
                 await _send_whole(send, error_response(err, rid, endpoint), close=raw is None)
                 return
@@ -173,6 +180,7 @@ async def serve_generation(
             out = [(b"content-type", ctype), (b"x-request-id", rid.encode("latin-1"))]
             if body.streaming:
                 out += _SSE_HEADERS
+            out += limit_headers
             await _send_generation(send, out, body, client)
         finally:
             if body is not None:
@@ -205,8 +213,13 @@ def _credentials(endpoint: str, headers: dict[bytes, str]) -> str | None:
     return f"Bearer {key}" if key is not None else headers.get(b"authorization")
 
 
-def check_auth(state: GatewayState, raw: str | None) -> None:
-    state.auth.check(raw.encode("utf-8", "surrogateescape") if raw is not None else None)
+def check_auth(state: GatewayState, raw: str | None) -> KeyEntry | None:
+    """The key's entry (its tenant), None with auth off; 401 otherwise."""
+    return state.auth.check(raw.encode("utf-8", "surrogateescape") if raw is not None else None)
+
+
+def tenant_of(entry: KeyEntry | None) -> str | None:
+    return entry.tenant.name if entry is not None else None
 
 
 async def _start(
@@ -216,10 +229,13 @@ async def _start(
     headers: dict[bytes, str],
     raw: bytes,
     client: _Client,
-) -> GenerationBody:
+    entry: KeyEntry | None,
+) -> tuple[GenerationBody, list[tuple[bytes, bytes]]]:
     """Plan the request and admit it: the response body, not entered yet (every status
-    decision before the body is primed is taken here)."""
-    g = state.settings.gateway
+    decision before the body is primed is taken here), and the rate-limit headers."""
+    tenancy = state.tenancy
+    if entry is not None and entry.models is not None:  # before the body's own checks
+        tenancy.check_model(entry, requested_model(raw))
     builder = {  # each endpoint's planner (sieproxy/core/pipeline.py), looked up per request
         "chat": build_chat,
         "completions": build_completion,
@@ -246,9 +262,41 @@ async def _start(
         prefix_key=plan.prefix_key,
     )
     pool.check_hints(hints)
+    prompt_estimate, cap, k = reservation(plan.bodies)
+    lease = await tenancy.admit(
+        entry, prompt_tokens=prompt_estimate, max_tokens=cap, candidates=k,
+        param=plan.fields.max_tokens,
+    )  # fmt: skip
+    try:
+        return await _admitted(
+            state, endpoint, rid, headers, client, entry, plan, planner, hints, lease,
+            prompt_estimate,
+        )  # fmt: skip
+    except BaseException:
+        tenancy.settle(lease, 0)  # refused or gone before it ran: nothing used
+        raise
+
+
+async def _admitted(
+    state: GatewayState,
+    endpoint: str,
+    rid: str,
+    headers: dict[bytes, str],
+    client: _Client,
+    entry: KeyEntry | None,
+    plan: Prepared,
+    planner: Callable[[str | None], Prepared],
+    hints: RouteHints,
+    lease: Lease,
+    prompt_estimate: int,
+) -> tuple[GenerationBody, list[tuple[bytes, bytes]]]:
+    """The rest of :func:`_start` once the tenant's limits admitted the request."""
+    g = state.settings.gateway
+    pool = state.pools[plan.model]
     stats = RequestStats(
         request_id=rid, model=plan.model, endpoint=endpoint, n=plan.n, stream=plan.stream
     )
+    stats.tenant = tenant_of(entry)
     stats.sdk_version = headers.get(b"x-sie-sdk-version")
     fb: Fallbacks | None = None  # made when first needed (sieproxy/fallback.py)
     ctx: Fallbacks | None = None  # the same for context_fallbacks
@@ -281,6 +329,7 @@ async def _start(
 
     conf = state.settings.models.get(plan.model)
     has_fallbacks = conf is not None and bool(conf.fallbacks or conf.context_fallbacks)
+    queued_at = trio.current_time()
     try:
         if pool.failed is not None:  # the embedded engine was given up (sieproxy/child.py)
             raise ServiceUnavailable(
@@ -289,7 +338,9 @@ async def _start(
                 retry_after=g.retry_after,
                 code="engine_failed",
             )
-        replica = await pool.acquire(hints, len(plan.bodies))
+        replica = await pool.acquire(
+            hints, len(plan.bodies), ticket=state.tenancy.ticket(entry, lease.reserved)
+        )
     except ServiceUnavailable as exc:
         route = await fallbacks().next(cause_of(exc)) if has_fallbacks else None
         if route is None:
@@ -297,11 +348,16 @@ async def _start(
         pool, hints, replica, stats.model = route.pool, route.hints, route.replica, route.model
         plan = fallbacks().current
     stats.replica = replica.url
+    stats.admission_wait = trio.current_time() - queued_at
 
     def finish(b: GenerationBody) -> None:
         served = fb.current if fb is not None else plan
         b.stats.prompt_tokens, b.stats.completion_tokens = served.usage()
         b.stats.outcome = client.outcome()
+        prompt = b.stats.prompt_tokens
+        if not prompt and b.stats.first_token_at is not None:
+            prompt = prompt_estimate  # the engine ran it but did not say (cut before usage)
+        state.tenancy.settle(lease, prompt + b.stats.completion_tokens)
         state.observer.request_done(b.stats)
 
     body = GenerationBody(
@@ -323,7 +379,7 @@ async def _start(
         fields=plan.fields,
     )
     state.active.add(body)
-    return body
+    return body, [(k.encode(), v.encode()) for k, v in lease.headers().items()]
 
 
 async def _send_generation(

@@ -19,9 +19,9 @@ import signal
 import trio
 from msgspec.structs import replace as struct_replace
 
-from .auth import Authenticator
 from .settings import ConfigError, GatewaySettings, load_settings
 from .state import GatewayState, effective_models, engine_specs
+from .tenancy.service import authenticator
 
 __all__ = [
     "EXIT_WITH_PARENT_ENV",
@@ -69,8 +69,8 @@ async def announce_ready(state: GatewayState, binds: list[str]) -> None:
 def reload_settings(state: GatewayState, path: str | None) -> list[str]:
     """Re-read the configuration and apply what can change while serving (SIGHUP).
 
-    Applied: bearer tokens and the auth switch; each served model's engine list, its DNS
-    entries and ``engines_file`` included (replicas added, relabelled or removed; see
+    Applied: bearer tokens, the keys file and the auth switch; each served model's engine
+    list, its DNS entries and ``engines_file`` included (replicas added, relabelled or removed; see
     ``ModelPool.set_engines`` and ``sieproxy.discovery``). Everything else (models added
     or removed, templates, other ``[gateway]`` keys) needs a restart and is reported, not
     applied. Raises ``ConfigError`` for an invalid file, leaving the running configuration as
@@ -83,9 +83,10 @@ def reload_settings(state: GatewayState, path: str | None) -> list[str]:
     if struct_replace(new.embedded_engine, port=old.embedded_engine.port) != old.embedded_engine:
         done.append("[embedded_engine] settings need a restart")
     new.embedded_engine = old.embedded_engine
-    tokens = new.auth_tokens()  # reads tokens_file: once
-    state.auth = Authenticator(new.gateway.auth, tokens)
-    done.append(f"auth {'on' if new.gateway.auth else 'off'}, {len(tokens)} token(s)")
+    state.auth = authenticator(new, state.pools)  # reads tokens_file and keys_file: once
+    tenants = len({e.tenant.name for e in state.auth.keys.values()})
+    on = "on" if state.auth.enabled else "off"
+    done.append(f"auth {on}, {len(state.auth.keys)} key(s) of {tenants} tenant(s)")
     old_models, new_models = effective_models(old), effective_models(new)
     for name, m in new_models.items():
         pool = state.pools.get(name)
@@ -105,7 +106,7 @@ def reload_settings(state: GatewayState, path: str | None) -> list[str]:
         done.append(f"model {name!r} is gone from the file: still served until a restart")
 
     def unauth(g: GatewaySettings) -> GatewaySettings:
-        return struct_replace(g, auth=False, tokens=[], tokens_file=None)
+        return struct_replace(g, auth=False, tokens=[], tokens_file=None, keys_file=None)
 
     if unauth(new.gateway) != unauth(old.gateway):
         done.append("[gateway] settings other than auth and tokens need a restart")

@@ -3,13 +3,14 @@
 Both are fed once per request (:meth:`Observer.request_done`), never per chunk. Gauges of
 replica state are read from the pools at scrape time. No label carries user data: labels are
 the endpoint, the configured model name, the status code, the replica URL (from config) and the
-abort cause (a fixed vocabulary).
+abort cause (a fixed vocabulary), and the tenant's name (from the keys file; never a key).
 
 The access log is one JSON line per generation request on the ``sieproxy.access`` logger, with
 its real outcome: refused before it ran (its error status), left by its client before the
 status line (``499``, as nginx logs it; ``444`` if the gateway closed it first, at shutdown),
 or answered (its status, and ``outcome`` saying whether the client got the response's end).
-Every line has the same fields. It never carries a bearer token, a prompt, generated text or
+Every line has the same fields, ``tenant`` among them (the key's tenant; null with auth off
+or before the key was known). It never carries a bearer token, a prompt, generated text or
 ``user``.
 """
 
@@ -29,6 +30,7 @@ from prometheus_client.registry import Collector
 from .core.errors import GatewayError
 from .pool import ModelPool
 from .stats import RequestStats
+from .tenancy.limiter import Limiter
 
 __all__ = ["FALLBACK_CAUSES", "Observer"]
 
@@ -202,6 +204,44 @@ class Observer:
             for cause in FALLBACK_CAUSES:
                 self.fallbacks.labels(model, cause)
         r.register(_PoolCollector(pools, inflight))
+        self.tenant_requests = Counter(
+            "sieproxy_tenant_requests",
+            "Generation requests by tenant and status.",
+            ["tenant", "status"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "sieproxy_tenant_tokens",
+            "Tokens in (prompt) and out (completion) by tenant.",
+            ["tenant", "direction"],
+            registry=r,
+        )
+        self.tenant_rejections = Counter(
+            "sieproxy_tenant_rejections",
+            "Requests refused by a tenant limit: requests, tokens, concurrency (429), too_large "
+            "(400: more than the per-minute budget), model (404: a model the key may not use).",
+            ["tenant", "limit"],
+            registry=r,
+        )
+        self.tenant_wait = Histogram(
+            "sieproxy_tenant_admission_wait_seconds",
+            "Time a tenant's admitted requests waited for a replica slot.",
+            ["tenant"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._limiter: Limiter | None = None
+
+    def watch_limiter(self, limiter: Limiter) -> None:
+        """Export the limiter's Redis state, and feed it the usage ``sieproxy usage`` reads."""
+        self._limiter = limiter
+        if limiter.redis is not None:
+            self.registry.register(_LimiterCollector(limiter))
+
+    def tenant_rejected(self, tenant: str, limit: str) -> None:
+        child(self.tenant_rejections, tenant, limit).inc()
+        if self._limiter is not None:
+            self._limiter.count(tenant, f"rejected_{limit}")
 
     def fallback(self, model: str, cause: str) -> None:
         """One request of ``model`` went to a fallback (``cause``: a fixed vocabulary)."""
@@ -217,9 +257,12 @@ class Observer:
         *,
         request_id: str | None,
         sdk_version: str | None,
+        tenant: str | None = None,
     ) -> None:
         """A request answered with an error before it ran (no model label: it may be unknown)."""
-        self._before_run(endpoint, err.status, "complete", err.code, request_id, sdk_version)
+        self._before_run(
+            endpoint, err.status, "complete", err.code, request_id, sdk_version, tenant
+        )
 
     def client_left(self, endpoint: str, *, request_id: str, sdk_version: str | None) -> None:
         """A request whose client left before it ran (while its body was arriving, or while it
@@ -234,8 +277,11 @@ class Observer:
         code: str | None,
         request_id: str | None,
         sdk_version: str | None,
+        tenant: str | None = None,
     ) -> None:
         self.requests.labels(endpoint, "", str(status)).inc()
+        if tenant is not None:
+            child(self.tenant_requests, tenant, str(status)).inc()
         if self._access and access_log.isEnabledFor(logging.INFO):
             access_log.info(
                 _enc.encode(
@@ -256,6 +302,8 @@ class Observer:
                         "retried": False,
                         "error_code": code,
                         "sdk_version": sdk_version,
+                        "tenant": tenant,
+                        "admission_wait_ms": None,
                     }
                 ).decode()
             )
@@ -294,6 +342,8 @@ class Observer:
             child(self.aborts, model, cause).inc(k)
         if s.retried:
             child(self.retries, model).inc()
+        if s.tenant is not None:
+            self._tenant_done(s, status)
         if self._access and access_log.isEnabledFor(logging.INFO):
             access_log.info(
                 _enc.encode(
@@ -314,6 +364,44 @@ class Observer:
                         "retried": s.retried,
                         "error_code": None if s.error is None else s.error.code,
                         "sdk_version": s.sdk_version,
+                        "tenant": s.tenant,
+                        "admission_wait_ms": round(s.admission_wait * 1000, 3),
                     }
                 ).decode()
             )
+
+    def _tenant_done(self, s: RequestStats, status: int) -> None:
+        tenant = s.tenant or ""
+        child(self.tenant_requests, tenant, str(status)).inc()
+        child(self.tenant_wait, tenant).observe(s.admission_wait)
+        if s.prompt_tokens:
+            child(self.tenant_tokens, tenant, "in").inc(s.prompt_tokens)
+        if s.completion_tokens:
+            child(self.tenant_tokens, tenant, "out").inc(s.completion_tokens)
+        if self._limiter is not None:
+            self._limiter.count(tenant, "requests")
+            self._limiter.count(tenant, "prompt_tokens", s.prompt_tokens)
+            self._limiter.count(tenant, "completion_tokens", s.completion_tokens)
+
+
+class _LimiterCollector(Collector):
+    def __init__(self, limiter: Limiter) -> None:
+        self._limiter = limiter
+
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        up = GaugeMetricFamily(
+            "sieproxy_tenant_redis_up",
+            "1 while the tenants' counters are shared through Redis; 0 while Redis does not "
+            "answer and each process counts on its own.",
+        )
+        up.add_metric([], 1.0 if self._limiter.redis_up else 0.0)
+        errors = CounterMetricFamily(
+            "sieproxy_tenant_redis_errors", "Redis calls of the limiter that failed or timed out."
+        )
+        errors.add_metric([], self._limiter.redis_errors)
+        pending = GaugeMetricFamily(
+            "sieproxy_tenant_usage_pending",
+            "Usage counts kept in the process until Redis takes them.",
+        )
+        pending.add_metric([], len(self._limiter.pending_usage))
+        yield from (up, errors, pending)

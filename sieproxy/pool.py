@@ -43,10 +43,12 @@ from dataclasses import dataclass
 import trio
 
 from .core.errors import InvalidRequest, ServiceUnavailable
+from .core.fairshare import FairShare, Ticket
 from .core.profile import positive_int
 from .core.protocol import protocol_for
 from .engine_client import EngineClient
 from .settings import EngineSpec, GatewaySettings
+from .tenancy.admission import AdmissionQueue
 
 log = logging.getLogger("sieproxy.pool")
 
@@ -127,7 +129,9 @@ class ModelPool:
             for s in specs
         ]
         self._labels()
-        self._room = trio.Event()  # set (and replaced) whenever capacity may have appeared
+        #: Requests waiting for a slot, granted in fair-share order whenever capacity may
+        #: have appeared (``_wake``).
+        self.queue = AdmissionQueue(FairShare(g.batch_promote_after))
         self._watch_with: tuple[trio.Nursery, EngineClient] | None = None
         #: False while the model's chat template is still being discovered from an engine.
         self.gate_open = True
@@ -175,8 +179,7 @@ class ModelPool:
         return [r.url for r in added], list(old)
 
     def _wake(self) -> None:
-        self._room.set()
-        self._room = trio.Event()
+        self.queue.dispatch(self._choose)
 
     # ------------------------------------------------------------------ readiness
     def any_ready(self) -> bool:
@@ -276,23 +279,34 @@ class ModelPool:
         return h.prefix_key
 
     async def acquire(
-        self, h: RouteHints, k: int, *, exclude: Replica | None = None, wait: bool = True
+        self,
+        h: RouteHints,
+        k: int,
+        *,
+        exclude: Replica | None = None,
+        wait: bool = True,
+        ticket: Ticket | None = None,
     ) -> Replica:
         """Reserve ``k`` candidate slots on one replica (bounded wait, none without ``wait``),
-        or raise 503."""
+        or raise 503. Waiting requests get slots in fair-share order (``ticket``:
+        sieproxy/tenancy/admission.py)."""
+        ticket = ticket or Ticket(cost=k)
         r, any_live = self._choose(h, k, exclude)
         if r is None and any_live and wait:  # every matching replica is full: wait for a slot
             self.waiting += 1
             try:
-                with trio.move_on_after(self._g.admission_wait):  # (no timer when there is room)
-                    while r is None and any_live:
-                        await self._room.wait()
-                        r, any_live = self._choose(h, k, exclude)
+                wait_for = self._g.admission_wait  # (no timer when there is room)
+                got: Replica | None = await self.queue.wait(
+                    ticket, h, k, exclude, wait_for, self.release
+                )
             finally:
                 self.waiting -= 1
-        if r is not None:
+            if got is not None:
+                return got  # its slots were taken when it was granted
+        elif r is not None:
             r.inflight += k
             r.total += k
+            self.queue.fair.charge(ticket)
             return r
         now = trio.current_time()
         any_live = self.gate_open and any(r.available(now) for r in self.replicas if r.matches(h))

@@ -36,6 +36,7 @@ from .lifecycle import (
 from .relay import sweep_stalls
 from .settings import Settings
 from .state import GatewayState, build_state, discover, effective_models
+from .tenancy.service import run_tenancy
 
 __all__ = [
     "GC_THRESHOLDS",
@@ -68,6 +69,7 @@ def build_app(settings: Settings) -> Quart:
             nursery.start_soon(pool.run_health_checks, state.client)
             nursery.start_soon(state.sources[name].run, pool)  # DNS names, engines file
             nursery.start_soon(discover, state, name)
+        nursery.start_soon(run_tenancy, state, list(state.pools))  # keys file, Redis
 
     @app.after_serving
     async def _stop_background() -> None:

@@ -74,8 +74,9 @@ def default_settings() -> Settings:
     return s
 
 
-def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
-    """Load the TOML file at ``path`` (or ``$SIEPROXY_CONFIG``), apply env overrides, check."""
+def load_settings(path: str | os.PathLike[str] | None = None, *, keys: bool = True) -> Settings:
+    """Load the TOML file at ``path`` (or ``$SIEPROXY_CONFIG``), apply env overrides, check
+    (``keys``: the keys file too)."""
     if path is None:
         path = os.environ.get("SIEPROXY_CONFIG") or None
     if path is None:
@@ -95,7 +96,7 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
         except msgspec.DecodeError as exc:
             raise ConfigError(f"{where}: not valid TOML: {exc}") from None
     _apply_env(settings, where)
-    check_settings(settings, where)
+    check_settings(settings, where, keys=keys)
     return settings
 
 

@@ -26,6 +26,7 @@ from .settings_schema import (
     Settings,
     fallback_target,
 )
+from .tenancy.keys import load_keys
 from .tokenizer_dir import read_tokenizer_dir
 
 __all__ = ["check_settings", "parse_engines_file"]
@@ -57,9 +58,10 @@ def parse_engines_file(text: str) -> list[EngineSpec]:
     return specs
 
 
-def check_settings(s: Settings, where: str) -> None:
+def check_settings(s: Settings, where: str, *, keys: bool = True) -> None:
     """Check settings, loaded from a file or built in code (``sieproxy serve``'s model flags);
-    ``where`` names their source in the error."""
+    ``where`` names their source in the error. ``keys``: read and check the keys file too
+    (``sieproxy keys`` does not: it is there to write it)."""
     g = s.gateway
 
     def bad(key: str, problem: str) -> ConfigError:
@@ -87,6 +89,15 @@ def check_settings(s: Settings, where: str) -> None:
         except OSError as exc:
             problem = f"cannot read {g.tokens_file}: {exc.strerror}"
             raise bad("gateway.tokens_file", problem) from None
+    if g.keys_file and keys:  # a hostile or broken keys file is refused at start, naming its line
+        served = set(s.models)
+        if s.embedded_engine.enabled:
+            served.add(s.embedded_engine.served_name)
+        load_keys(g.keys_file, served)
+    if g.redis_url and not g.redis_url.startswith(("redis://", "rediss://", "unix://")):
+        raise bad("gateway.redis_url", "must be a redis://, rediss:// or unix:// URL")
+    if g.batch_promote_after <= 0:
+        raise bad("gateway.batch_promote_after", "must be > 0 seconds")
     if not 0 <= g.port <= 65535:
         raise bad("gateway.port", "must be in [0, 65535]")
     if g.default_max_tokens < 1:

@@ -54,6 +54,13 @@ class GatewaySettings(_Conf):
     #: Whether GET /healthz, /readyz and /metrics also need a token.
     auth_health: bool = False
     auth_metrics: bool = False
+    #: Tenants: API keys (hashed) with models, priority and limits (sieproxy/tenancy/keys.py).
+    keys_file: str | None = None
+    #: Redis holding the tenants' counters and usage, shared by every gateway process (unset:
+    #: per process).
+    redis_url: str | None = None
+    #: Seconds a ``batch`` request waits for admission before it ranks as ``interactive``.
+    batch_promote_after: float = 30.0
     # --- upstream (engine) side -----------------------------------------------------------
     #: Seconds to open a TCP connection to an engine.
     connect_timeout: float = 5.0

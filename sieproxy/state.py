@@ -40,6 +40,9 @@ from .settings import (
     ModelSettings,
     Settings,
 )
+from .tenancy.gate import Tenancy
+from .tenancy.limiter import Limiter
+from .tenancy.service import authenticator, build_tenancy
 from .timers import WaitTimer
 from .tokenizer_dir import read_tokenizer_dir
 
@@ -72,6 +75,8 @@ class GatewayState:
     #: Where each model's replicas come from (static entries, DNS names, an engines file).
     sources: dict[str, EngineSources] = field(default_factory=dict)
     created: Callable[[], int] = lambda: int(time.time())
+    #: The tenants' limits (sieproxy/tenancy/gate.py).
+    tenancy: Tenancy = field(default_factory=lambda: Tenancy(Limiter()))
 
 
 #: ``embedded_engine.model`` values naming the bundled default (as the CPU engine reads them).
@@ -162,20 +167,24 @@ def build_state(settings: Settings) -> GatewayState:
             counts[b.stats.model] = counts.get(b.stats.model, 0) + 1
         return counts
 
+    observer = Observer(
+        pools,
+        access_log_enabled=g.access_log,
+        inflight=inflight,
+        with_fallbacks=[name for name, m in models.items() if m.fallbacks],
+    )
+    tenancy = build_tenancy(settings, on_reject=observer.tenant_rejected)
+    observer.watch_limiter(tenancy.limiter)
     return GatewayState(
         settings=settings,
         profiles=profiles,
         pools=pools,
         client=EngineClient(g),
-        auth=Authenticator(g.auth, settings.auth_tokens()),
-        observer=Observer(
-            pools,
-            access_log_enabled=g.access_log,
-            inflight=inflight,
-            with_fallbacks=[name for name, m in models.items() if m.fallbacks],
-        ),
+        auth=authenticator(settings, models),
+        observer=observer,
         active=active,
         sources=sources,
+        tenancy=tenancy,
     )
 
 

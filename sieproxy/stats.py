@@ -27,6 +27,10 @@ class RequestStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     sdk_version: str | None = None
+    #: The tenant of the request's key (sieproxy/tenancy/; None with auth off).
+    tenant: str | None = None
+    #: Seconds it waited for a replica slot (admission).
+    admission_wait: float = 0.0
     #: How the response ended for its client: ``complete`` (its end was sent), ``client_closed``
     #: (the client left first) or ``cut`` (the gateway stopped first: a shutdown stopping at
     #: once).

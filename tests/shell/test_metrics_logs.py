@@ -203,11 +203,14 @@ async def test_metrics_agree_with_traffic() -> None:
 
             assert_no_user_data(text)
             allowed = {"endpoint", "model", "status", "replica", "direction", "cause", "le"}
+            allowed.add("tenant")  # the key's tenant (the old token list: token-<hash prefix>)
             for (_, labels), _v in m.items():
                 for k, v in labels:
                     assert k in allowed, k
                     if k == "model":
                         assert v == MODEL
+                    if k == "tenant":
+                        assert v.startswith("token-") and TOKEN not in v
                     if k == "replica":
                         assert v in urls
 
@@ -283,7 +286,7 @@ async def test_refused_requests_are_counted() -> None:
 FIELDS = {
     "request_id", "endpoint", "model", "status", "outcome", "n", "stream", "prompt_tokens",
     "completion_tokens", "ttft_ms", "duration_ms", "replica", "abort_causes", "retried",
-    "error_code", "sdk_version",
+    "error_code", "sdk_version", "tenant", "admission_wait_ms",
 }  # fmt: skip
 
 

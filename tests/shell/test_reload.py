@@ -72,7 +72,7 @@ async def test_tokens_change_and_a_bad_file_changes_nothing(tmp_path: Path) -> N
             assert (await chat(gw)).status_code == 200  # auth off
             path = write_config(tmp_path / "g.toml", gw, [0], 'auth = true\ntokens = ["tok-1"]\n')
             lines = reload_settings(gw.state, path)
-            assert lines[0] == "auth on, 1 token(s)"
+            assert lines[0] == "auth on, 1 key(s) of 1 tenant(s)"
             assert (await chat(gw)).status_code == 401
             ok = await chat(gw, headers={"Authorization": "Bearer tok-1"})
             assert ok.status_code == 200, ok.text

@@ -201,12 +201,15 @@ async def _start(
     created = state.created()
     plan = builder(raw, state.profiles, request_id=rid, created=created)
     pool = state.pools[plan.model]
+    policy = pool.policy  # routing = "cache_aware" (sieproxy/cache_route.py)
     hints = RouteHints(
         pool=headers.get(b"x-sie-pool") or None,
         machine_profile=headers.get(b"x-sie-machine-profile") or None,
         affinity_key=plan.affinity_key,
         prefix_key=plan.prefix_key,
+        route=None if policy is None else await policy.prepare(plan.bodies),
     )
+    route = hints.route
     pool.check_hints(hints)
     stats = RequestStats(
         request_id=rid, model=plan.model, endpoint=endpoint, n=plan.n, stream=plan.stream
@@ -241,10 +244,17 @@ async def _start(
         pool, hints, replica, stats.model = route.pool, route.hints, route.replica, route.model
         plan = fallbacks().current
     stats.replica = replica.url
+    if route is not None:
+        stats.on_first_token = lambda: route.policy.first_token(route)
 
     def finish(b: GenerationBody) -> None:
         served = fb.current if fb is not None else plan
         b.stats.prompt_tokens, b.stats.completion_tokens = served.usage()
+        if route is not None:
+            reported = [c.cached_tokens for c in served.shaper.choices] if b.stats.responded else []
+            b.stats.cached_tokens = min(reported) if reported else None
+            b.stats.cached_predicted = route.predicted
+            route.policy.done(route, b.stats.cached_tokens)
         b.stats.outcome = client.outcome()
         state.observer.request_done(b.stats)
 

@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from .cache_metrics import CacheRouteCollector
 from .core.errors import GatewayError
 from .pool import ModelPool
 from .stats import RequestStats
@@ -140,6 +141,7 @@ class Observer:
         self.registry = CollectorRegistry()
         self._access = access_log_enabled
         r = self.registry
+        r.register(CacheRouteCollector(pools))
         self.requests = Counter(
             "sieproxy_requests",
             "Requests by endpoint, model and status.",
@@ -251,6 +253,8 @@ class Observer:
                         "retried": False,
                         "error_code": code,
                         "sdk_version": sdk_version,
+                        "cached_tokens": None,
+                        "cached_tokens_predicted": None,
                     }
                 ).decode()
             )
@@ -299,6 +303,8 @@ class Observer:
                         "retried": s.retried,
                         "error_code": None if s.error is None else s.error.code,
                         "sdk_version": s.sdk_version,
+                        "cached_tokens": s.cached_tokens,
+                        "cached_tokens_predicted": s.cached_predicted,
                     }
                 ).decode()
             )

@@ -113,6 +113,10 @@ class EngineSpec(_Conf):
     #: The engine's API: ``"sglang"`` (native ``/generate``) or ``"openai"`` (an
     #: OpenAI-compatible server; docs/CONFIGURATION.md "The OpenAI-compatible protocol").
     protocol: str = "sglang"
+    #: ``routing = "cache_aware"``: this engine's KV-event ZMQ endpoint (``tcp://host:port``)
+    #: and replay endpoint, overriding the model's ``kv_events_port`` rule.
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
 
 
 class FallbackSpec(_Conf):
@@ -150,6 +154,22 @@ class ModelSettings(_Conf):
     #: Replica choice: ``prefix`` (affinity on the client's key, else the prompt's leading
     #: block), ``key_only`` (the client's key only), ``least_loaded`` (no affinity).
     routing: str = "prefix"
+    # --- routing = "cache_aware" (sieproxy/cache_route.py, docs/CONFIGURATION.md) ----------
+    #: Each replica's KV events at ``tcp://<its URL's host>:<port>`` (None: no events, unless
+    #: an engine entry names its ``kv_events``); the replay socket likewise; the ZMQ topic.
+    kv_events_port: int | None = None
+    kv_events_replay_port: int | None = None
+    kv_events_topic: str = ""
+    #: A stream silent this long after a request was sent is out of sync (seconds).
+    kv_events_stale: float = 10.0
+    #: Prefill tokens per second of one replica, and the delay a request may wait for a warm
+    #: cache: a replica whose uncached prefill in flight reaches their product spills.
+    prefill_tokens_per_s: float = 10_000.0
+    spill_delay: float = 0.5
+    #: A cached match shorter than this (or than two blocks) is no affinity.
+    min_match_tokens: int = 64
+    #: A replica's prefix-cache size in tokens when its engine does not report one.
+    cache_tokens: int = 100_000
 
 
 class EmbeddedEngine(_Conf):
@@ -229,4 +249,4 @@ def fallback_target(owner: str, entry: str | FallbackSpec) -> tuple[str, str | N
 
 
 #: The values of a model's ``routing`` (their meaning: sieproxy/pool.py).
-ROUTING_MODES = ("prefix", "least_loaded", "key_only")
+ROUTING_MODES = ("prefix", "least_loaded", "key_only", "cache_aware")

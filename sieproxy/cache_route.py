@@ -23,6 +23,7 @@ event lag and the streams' sync state.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from .engine_client import EngineClient
     from .pool import ModelPool, Replica
 
-__all__ = ["CacheAwarePolicy", "ReplicaCache", "Route"]
+__all__ = ["CacheAwarePolicy", "ReplicaCache", "Route", "advertised_endpoints"]
 
 log = logging.getLogger("sieproxy.cache_route")
 
@@ -90,6 +91,8 @@ class ReplicaCache:
         self.outcomes = {"exact": 0, "over": 0, "under": 0}
         self.spills = {"prefill": 0, "load": 0}
         self.scope: trio.CancelScope | None = None  # its event subscription
+        #: The endpoints the engine's ``/server_info`` advertises (None: none, or not asked).
+        self.advertised: tuple[str | None, str | None] = (None, None)
 
     def resize(self, capacity: int) -> None:
         self.capacity = capacity
@@ -234,6 +237,8 @@ class CacheAwarePolicy:
                         await self._discover_tokenizer(r.url, client)
                     if rc.scope is None:
                         ev, rep = self.endpoints(r.url)
+                        if ev is None:
+                            ev, rep = rc.advertised
                         if ev is not None:
                             rc.stream = EventStream(rc.capacity, self.m.kv_events_stale)
                             rc.scope = trio.CancelScope()
@@ -261,15 +266,20 @@ class CacheAwarePolicy:
                     await trio.sleep(1.0)
 
     async def _size(self, url: str, rc: ReplicaCache, client: EngineClient) -> None:
+        """The replica's cache size, and the KV-event endpoints its engine says it publishes
+        on (``kv_events_config`` in ``/server_info``, as SGLang and the CPU engine report it)."""
         try:
             info = await client.server_info(url)
         except Exception:
+            rc.sized = False  # asked again at the next poll
             return
-        size = positive_int(info.get("max_total_num_tokens")) or positive_int(
-            info.get("prefix_cache_max_tokens")
-        )
+        states = info.get("internal_states")
+        state = states[0] if isinstance(states, list) and states else {}
+        own = state.get("prefix_cache_max_tokens") if isinstance(state, dict) else None
+        size = positive_int(own) or positive_int(info.get("max_total_num_tokens"))
         if size is not None:
             rc.resize(size)
+        rc.advertised = advertised_endpoints(url, info.get("kv_events_config"))
 
     async def _discover_tokenizer(self, url: str, client: EngineClient) -> None:
         if self._tokenizer_tries >= 3:
@@ -282,3 +292,29 @@ class CacheAwarePolicy:
         path = info.get("tokenizer_path") or info.get("model_path")
         if isinstance(path, str) and await trio.Path(path).is_dir():
             self.tokenizer = await trio.to_thread.run_sync(load_tokenizer, path)
+
+
+def advertised_endpoints(url: str, conf: Any) -> tuple[str | None, str | None]:
+    """The (events, replay) endpoints of an engine's ``kv_events_config`` (a JSON string or a
+    map), a wildcard host (``*``, ``0.0.0.0``, ``::``) replaced by the replica URL's host."""
+    if isinstance(conf, str):
+        try:
+            conf = json.loads(conf)
+        except ValueError:
+            return None, None
+    if not isinstance(conf, dict) or conf.get("publisher", "zmq") != "zmq":
+        return None, None
+    host = urlsplit(url).hostname or "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+
+    def fix(ep: Any) -> str | None:
+        if not isinstance(ep, str) or not ep.startswith(("tcp://", "ipc://")):
+            return None
+        for wild in ("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:", "tcp://:::"):
+            if ep.startswith(wild):
+                return f"tcp://{host}:{ep[len(wild):]}"
+        return ep
+
+    ev = fix(conf.get("endpoint", "tcp://*:5557"))
+    return ev, fix(conf.get("replay_endpoint")) if ev else None

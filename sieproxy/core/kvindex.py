@@ -357,7 +357,8 @@ class EventStream:
         self.index = BlockIndex()
         self.capacity = capacity_tokens
         self.stale_after = stale_after
-        self.last_seq: int | None = None
+        self.last_seq: int | None = None  # the last batch applied
+        self._live_last: int | None = None  # the last batch received live
         self.synced = False  # every batch since an empty cache was applied
         self.suspect = False
         self.replay_from: int | None = None  # a replay is awaited from this sequence
@@ -395,17 +396,16 @@ class EventStream:
         """A live batch; returns the sequence to replay from when one is needed now."""
         self.last_batch_at = now
         self._sent_at = None
+        live_last, self._live_last = self._live_last, seq
+        if live_last is not None and seq <= live_last:
+            self._restart()  # the live socket is ordered: its sequence went back
+        elif self.last_seq is not None and seq <= self.last_seq:
+            return None  # already applied from a replay
         batch = self._decode(payload)
         if self.replay_from is not None:
-            if seq <= self._held_last():
-                self._restart()  # restarted while we waited
-            else:
-                self._hold(seq, batch)
-                return None
+            self._hold(seq, batch)
+            return None
         last = self.last_seq
-        if last is not None and seq <= last:
-            self._restart()
-            last = None
         if last is None:
             if seq == 0:
                 self._start_empty()
@@ -456,9 +456,6 @@ class EventStream:
         except KVEventError:
             self.bad_batches += 1
             return None
-
-    def _held_last(self) -> int:
-        return self._held[-1][0] if self._held else -1
 
     def _hold(self, seq: int, batch: EventBatch | None) -> None:
         self._held.append((seq, batch))

@@ -328,3 +328,16 @@ def test_too_many_held_batches_give_up_waiting() -> None:
         feed(st, seq, removed([1]))
     assert st.replay_from is None and st.losses == 1
     assert st.last_seq == 2 + kvindex.MAX_HELD
+
+
+def test_live_batches_already_replayed_are_skipped_not_taken_for_a_restart() -> None:
+    st = EventStream(capacity_tokens=1000)
+    ev = chain_events(TOKS)
+    assert feed(st, 2, ev[2]) == 0  # joined late
+    for seq in range(5):  # the replay reaches past what arrived live
+        st.replayed(seq, batch(ev[seq]))
+    st.replay_done()
+    assert feed(st, 3, ev[3]) is None and feed(st, 4, ev[4]) is None  # queued while replaying
+    assert st.restarts == 0 and st.last_seq == 4
+    feed(st, 5, ev[5])
+    assert st.in_sync(0) and matched_blocks(KEYS, st.index) == 6

@@ -190,3 +190,17 @@ async def test_untokenizable_requests_keep_prefix_routing() -> None:
     _, p2 = make(kv_events_port=5557, kv_events_replay_port=5558)
     assert p2.endpoints(URLS[0]) == ("tcp://10.0.0.0:5557", "tcp://10.0.0.0:5558")
     assert p2.endpoints("http://[::1]:30000") == ("tcp://[::1]:5557", "tcp://[::1]:5558")
+
+
+def test_endpoints_an_engine_advertises() -> None:
+    from sieproxy.cache_route import advertised_endpoints as adv
+    url = "http://10.1.2.3:30000"
+    assert adv(url, '{"publisher": "zmq", "endpoint": "tcp://*:5557", '
+                    '"replay_endpoint": "tcp://*:5558"}') == ("tcp://10.1.2.3:5557",
+                                                              "tcp://10.1.2.3:5558")
+    assert adv(url, {"endpoint": "tcp://0.0.0.0:7"}) == ("tcp://10.1.2.3:7", None)
+    assert adv(url, {"endpoint": "tcp://127.0.0.1:9", "replay_endpoint": "tcp://127.0.0.1:10"}) \
+        == ("tcp://127.0.0.1:9", "tcp://127.0.0.1:10")
+    assert adv("http://[::1]:1", {"endpoint": "tcp://*:7"}) == ("tcp://[::1]:7", None)
+    for off in (None, "", "{", '{"publisher": "null"}', {"endpoint": "http://x"}, 5):
+        assert adv(url, off) == (None, None)

@@ -49,6 +49,7 @@ or ``python -m engine.fake --port 30000 --ttft-ms 50 --itl-ms 10 --tokens 256``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import enum
 import json
 import math
@@ -586,6 +587,9 @@ class FakeEngine:
         self._changed = trio.Event()
         self._server = HTTPServer(self._handle)
         self._started = time.time()
+        #: A prefix cache publishing KV events (engine/fake_cache.py): ``cached_tokens`` and
+        #: ``prompt_tokens`` then come from it.
+        self.prefix_cache: Any = None
 
     # -- observation ------------------------------------------------------------------------
 
@@ -764,6 +768,7 @@ class FakeEngine:
             "frontend": "fake",
             # Set by a gateway for its embedded engine (it checks that it talks to its child).
             "launch_token": os.environ.get("SIEPROXY_ENGINE_LAUNCH_TOKEN"),
+            **(self.prefix_cache.server_info() if self.prefix_cache is not None else {}),
         }
 
     def loads(self, *, legacy: bool = False) -> Any:
@@ -919,6 +924,9 @@ class FakeEngine:
         body = self._parse_body(req)
         call, sp = self._generate_call(body)
         plan = self.script(call)
+        if self.prefix_cache is not None:
+            n, cached = self.prefix_cache.serve(call.prompt)
+            plan = dataclasses.replace(plan, prompt_tokens=n, cached_tokens=cached)
         gen = _Generation(
             call,
             plan,

@@ -276,6 +276,7 @@ class CacheAwarePolicy:
         states = info.get("internal_states")
         state = states[0] if isinstance(states, list) and states else {}
         own = state.get("prefix_cache_max_tokens") if isinstance(state, dict) else None
+        own = own or info.get("prefix_cache_max_tokens")
         size = positive_int(own) or positive_int(info.get("max_total_num_tokens"))
         if size is not None:
             rc.resize(size)

@@ -1451,6 +1451,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-path", default="fake/fake-model", help="reported in /model_info")
     p.add_argument("--served-model-name", default=None, help="the model's name (None: the path)")
     p.add_argument("--context-length", type=int, default=8192, help="reported context length")
+    p.add_argument("--kv-events-config", default=None,
+                   help="keep a prefix cache and publish KV events (SGLang's JSON, as the CPU "
+                        "engine takes it; engine/fake_cache.py)")  # fmt: skip
+    p.add_argument("--prefix-cache-tokens", type=int, default=4096,
+                   help="that cache's size in tokens")  # fmt: skip
+    p.add_argument("--tokenizer", default=None,
+                   help="a tokenizer.json to tokenize text prompts with (None: by words)")
     return p
 
 
@@ -1464,6 +1471,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         served_model_name=args.served_model_name,
         context_length=args.context_length,
     )
+    if args.kv_events_config:
+        from engine.fake_cache import FakePrefixCache
+
+        engine.prefix_cache = FakePrefixCache(
+            args.tokenizer,
+            capacity_tokens=args.prefix_cache_tokens,
+            kv_events_config=args.kv_events_config,
+        )
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:

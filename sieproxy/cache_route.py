@@ -91,8 +91,10 @@ class ReplicaCache:
         self.outcomes = {"exact": 0, "over": 0, "under": 0}
         self.spills = {"prefill": 0, "load": 0}
         self.scope: trio.CancelScope | None = None  # its event subscription
-        #: The endpoints the engine's ``/server_info`` advertises (None: none, or not asked).
+        #: The endpoints the engine's ``/server_info`` advertises (None: none, or not asked),
+        #: and those followed now.
         self.advertised: tuple[str | None, str | None] = (None, None)
+        self.following: tuple[str | None, str | None] = (None, None)
 
     def resize(self, capacity: int) -> None:
         self.capacity = capacity
@@ -228,21 +230,26 @@ class CacheAwarePolicy:
                 for r in pool.replicas:
                     urls.add(r.url)
                     rc = self.cache(r.url)
-                    if not r.ready and rc.stream is not None:
-                        rc.stream.health_failed()
+                    if not r.ready:
+                        rc.sized = False  # a restarted engine may publish elsewhere: ask again
+                        if rc.stream is not None:
+                            rc.stream.health_failed()
                     if r.ready and not rc.sized:
                         rc.sized = True
                         nursery.start_soon(self._size, r.url, rc, client)
                     if r.ready and self.tokenizer is None and self.m.tokenizer is None:
                         await self._discover_tokenizer(r.url, client)
-                    if rc.scope is None:
-                        ev, rep = self.endpoints(r.url)
-                        if ev is None:
-                            ev, rep = rc.advertised
-                        if ev is not None:
+                    ev, rep = self.endpoints(r.url)
+                    if ev is None:
+                        ev, rep = rc.advertised
+                    if rc.scope is not None and rc.following != (ev, rep):
+                        rc.scope.cancel()  # the engine moved its endpoints (a restart)
+                        rc.scope = None
+                    if rc.scope is None and ev is not None:
+                        if rc.stream is None:  # kept across a move: its sequence shows a restart
                             rc.stream = EventStream(rc.capacity, self.m.kv_events_stale)
-                            rc.scope = trio.CancelScope()
-                            nursery.start_soon(self._follow, rc, ev, rep)
+                        rc.scope, rc.following = trio.CancelScope(), (ev, rep)
+                        nursery.start_soon(self._follow, rc, ev, rep)
                 for url in set(self.caches) - urls:  # dropped by a reload
                     gone = self.caches.pop(url)
                     if gone.scope is not None:

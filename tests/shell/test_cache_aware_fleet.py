@@ -207,3 +207,35 @@ async def test_a_replica_out_of_sync_falls_back_and_resyncs(tokenizer_dir: Path)
                 await until(lambda: stream.restarts >= 1 and stream.in_sync(trio.current_time()))
     finally:
         close(es)
+
+
+async def test_an_engine_restarted_on_new_endpoints_is_followed_there(tokenizer_dir: Path) -> None:
+    es = engines(tokenizer_dir, n=2)
+    try:
+        with trio.fail_after(30):
+            async with running_gateway(es, settings_hook=cache_aware(tokenizer_dir)) as gw:
+                await until(lambda: subscribed(gw))
+                system = text(5, 800)
+                home = await served(gw, "warm", messages=msgs(system, "q"))
+                await until(holding(gw, home, 800 // 16))
+                replica = gw.state.pools[MODEL].replicas[home]
+                rc = policy(gw).caches[replica.url]
+                old = rc.following
+                # the engine goes down and comes back as a new process, publishing elsewhere
+                es[home].healthy = False
+                await until(lambda: not replica.ready and rc.stream is not None
+                            and rc.stream.suspect and not rc.sized)
+                es[home].prefix_cache.close()
+                es[home].prefix_cache = FakePrefixCache(
+                    str(tokenizer_dir / "tokenizer.json"), kv_events_config=EVENTS)
+                es[home].healthy = True
+                await until(lambda: rc.following != old and rc.following[0] is not None)
+                assert rc.stream is not None
+                stream = rc.stream
+                # routed on what was sent there; its cache is empty, and its first batch
+                # (sequence 0) shows the restart
+                assert await served(gw, "again", messages=msgs(system, "q2")) == home
+                await until(lambda: stream.restarts == 1 and stream.in_sync(trio.current_time()))
+                assert len(stream.index) == len(es[home].prefix_cache._lru) > 0
+    finally:
+        close(es)

@@ -2,10 +2,11 @@
 
 Per model and replica: the cached prompt tokens routing predicted and the engine reported
 (summed over requests, and each request's prediction against the report: ``exact``, ``over``,
-``under``), the times the warm replica was passed over (``spill_total``, by cause: ``prefill``
-— its pending prefill reached the threshold; ``load`` — the pool's load bound or running batch
-passed it over), the blocks in each index, its pending prefill tokens, the event stream's sync
-state, lag and troubles (gaps, restarts, losses, undecodable batches).
+``under``), the times the warm replica was passed over (``spills_total``, by cause: ``prefill``
+— its pending prefill reached the threshold; ``batch`` — its load neared its running batch;
+``load`` — the pool's load bound or running batch passed it over), the blocks in each index,
+its pending prefill tokens, the event stream's sync state, lag and troubles (gaps, restarts,
+losses, undecodable batches).
 """
 
 from __future__ import annotations

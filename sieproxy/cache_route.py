@@ -61,7 +61,7 @@ class Route:
     #: Per replica URL: (cached tokens, block size, index source) as ranked.
     seen: dict[str, tuple[int, int, str]] = field(default_factory=dict)
     warm: str | None = None
-    spilled: bool = False
+    spilled: str | None = None  # why the policy passed the warm replica over
     replica: str | None = None
     uncached: int = 0  # counted in that replica's pending prefill until the first token
     predicted: int | None = None
@@ -89,7 +89,7 @@ class ReplicaCache:
         self.predicted = 0
         self.reported = 0
         self.outcomes = {"exact": 0, "over": 0, "under": 0}
-        self.spills = {"prefill": 0, "load": 0}
+        self.spills = {"prefill": 0, "batch": 0, "load": 0}
         self.scope: trio.CancelScope | None = None  # its event subscription
         #: The endpoints the engine's ``/server_info`` advertises (None: none, or not asked),
         #: and those followed now.
@@ -161,12 +161,16 @@ class CacheAwarePolicy:
         for r in replicas:
             rc = self.cache(r.url)
             cached, b, _ = route.seen[r.url] = rc.match(route, now)
-            cands.append(Candidate(cached, rc.pending, r.load(), b))
+            cands.append(Candidate(cached, rc.pending, r.load(), b, r.max_running))
         ranking = rank(
-            cands, len(route.tokens), threshold=self.threshold, min_tokens=self.m.min_match_tokens
+            cands,
+            len(route.tokens),
+            threshold=self.threshold,
+            min_tokens=self.m.min_match_tokens,
+            batch_share=self.m.spill_batch_share,
         )
         if ranking.order is None or ranking.warm is None:
-            route.warm, route.spilled = None, False
+            route.warm, route.spilled = None, None
             return None
         route.warm, route.spilled = replicas[ranking.warm].url, ranking.spilled
         return [replicas[i] for i in ranking.order]
@@ -177,7 +181,7 @@ class CacheAwarePolicy:
         self._unpend(route)
         rc = self.cache(r.url)
         if route.warm is not None and route.warm != r.url:
-            self.cache(route.warm).spills["prefill" if route.spilled else "load"] += 1
+            self.cache(route.warm).spills[route.spilled or "load"] += 1
         cached, b, src = route.seen.get(r.url) or rc.match(route, now)
         route.replica, route.source = r.url, src
         route.predicted = predicted_hit(cached, len(route.tokens), b)

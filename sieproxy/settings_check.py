@@ -172,6 +172,8 @@ def _check_cache_aware(name: str, m: ModelSettings, bad: Callable[[str, str], Co
     for key in ("kv_events_stale", "prefill_tokens_per_s", "spill_delay"):
         if getattr(m, key) <= 0:
             raise bad(f"models.{name}.{key}", "must be a positive number")
+    if not 0 < m.spill_batch_share <= 1:
+        raise bad(f"models.{name}.spill_batch_share", "must be in (0, 1]")
     if m.min_match_tokens < 0:
         raise bad(f"models.{name}.min_match_tokens", "must be >= 0")
     if m.cache_tokens < 1:

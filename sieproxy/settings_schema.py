@@ -166,6 +166,8 @@ class ModelSettings(_Conf):
     #: cache: a replica whose uncached prefill in flight reaches their product spills.
     prefill_tokens_per_s: float = 10_000.0
     spill_delay: float = 0.5
+    #: ... and so does one whose load reached this share of its engine's running batch.
+    spill_batch_share: float = 0.9
     #: A cached match shorter than this (or than two blocks) is no affinity.
     min_match_tokens: int = 64
     #: A replica's prefix-cache size in tokens when its engine does not report one.

@@ -117,6 +117,8 @@ REFUSED_AT_LOAD = [
      "models.m.prefill_tokens_per_s", "positive"),
     ("[models.m]\nengines = ['http://x']\nrouting = 'cache_aware'\nkv_events_stale = 0\n",
      "models.m.kv_events_stale", "positive"),
+    ("[models.m]\nengines = ['http://x']\nrouting = 'cache_aware'\nspill_batch_share = 1.5\n",
+     "models.m.spill_batch_share", "(0, 1]"),
     ("[models.m]\nengines = ['http://x']\nrouting = 'cache_aware'\nmin_match_tokens = -1\n",
      "models.m.min_match_tokens", ">= 0"),
     ("[models.m]\nengines = ['http://x']\nrouting = 'cache_aware'\ncache_tokens = 0\n",

@@ -16,9 +16,13 @@ Rules (:func:`rank`):
 2. No replica holds the prompt's prefix → no ranking (``order`` is None): the pool keeps its
    rendezvous hashing on the prefix key, so every gateway process puts a new prefix on the same
    replica with no shared state (and the next request finds it there).
-3. The replica with the most cached tokens (*warm*) comes first, unless its pending prefill has
-   reached ``threshold`` tokens (the engine's prefill rate × the delay a request may wait for
-   a warm cache): then it is *spilled* to the back.
+3. The replica with the most cached tokens (*warm*) comes first, unless it is *spilled* to the
+   back: its pending prefill has reached ``threshold`` tokens (the engine's prefill rate × the
+   delay a request may wait for a warm cache; cause ``"prefill"``), or its load has reached
+   ``batch_share`` of its engine's running batch (``max_running_requests``; cause
+   ``"batch"``) — the load is read every ``load_interval`` and other gateways' requests since
+   are unseen, so a batch that looks nearly full may already be full, and a request sent there
+   would wait for a slot.
 4. The others follow by the prefill work a request would queue behind there, in tokens:
    ``pending + prompt tokens − cached``, then by load, then by rendezvous order.
 
@@ -40,6 +44,7 @@ class Candidate:
     pending: int = 0  # uncached prefill tokens in flight there (this gateway's)
     load: int = 0  # requests running and waiting there
     block_size: int = 16  # the block size ``cached`` was counted in
+    max_running: int | None = None  # the engine's running batch, when it says
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +52,7 @@ class Ranking:
     #: Candidate positions, best first; None when no replica holds the prefix.
     order: list[int] | None
     warm: int | None = None  # the longest match's position
-    spilled: bool = False  # the warm replica was passed over for its pending prefill
+    spilled: str | None = None  # why the warm replica was passed over: "prefill", "batch"
 
 
 def min_match(block_size: int, min_tokens: int) -> int:
@@ -64,7 +69,12 @@ def predicted_hit(cached: int, prompt_tokens: int, block_size: int) -> int:
 
 
 def rank(
-    cands: Sequence[Candidate], prompt_tokens: int, *, threshold: int, min_tokens: int
+    cands: Sequence[Candidate],
+    prompt_tokens: int,
+    *,
+    threshold: int,
+    min_tokens: int,
+    batch_share: float = 1.0,
 ) -> Ranking:
     """The candidates' order (see the module docstring)."""
     eff = [c.cached if c.cached >= min_match(c.block_size, min_tokens) else 0 for c in cands]
@@ -72,7 +82,12 @@ def rank(
     if best <= 0:
         return Ranking(None)
     warm = eff.index(best)
-    spilled = cands[warm].pending >= threshold
+    w = cands[warm]
+    spilled = None
+    if w.pending >= threshold:
+        spilled = "prefill"
+    elif w.max_running is not None and w.load >= batch_share * w.max_running:
+        spilled = "batch"
     rest = sorted(
         (i for i in range(len(cands)) if i != warm),
         key=lambda i: (cands[i].pending + prompt_tokens - eff[i], cands[i].load, i),

@@ -41,10 +41,26 @@ def test_a_warm_replica_with_too_much_pending_prefill_spills() -> None:
     cands[0] = Candidate(400, pending=1000)
     r = rank(cands, 500, **KW)
     # the rest by queued prefill tokens (pending + uncached), then load; warm goes last
-    assert r.spilled and r.order == [2, 1, 3, 0]
+    assert r.spilled == "prefill" and r.order == [2, 1, 3, 0]
     # a second warm replica with little pending wins the rest
     cands[3] = Candidate(400, pending=0)
     assert rank(cands, 500, **KW).order == [3, 2, 1, 0]
+
+
+def test_a_warm_replica_near_its_running_batch_spills() -> None:
+    cands = [Candidate(400, load=14, max_running=16), Candidate(0, load=3, max_running=16)]
+    r = rank(cands, 500, batch_share=0.9, **KW)
+    assert r.spilled is None and r.order == [0, 1]
+    cands[0] = Candidate(400, load=15, max_running=16)  # 15 >= 0.9 x 16
+    r = rank(cands, 500, batch_share=0.9, **KW)
+    assert r.spilled == "batch" and r.order == [1, 0]
+    # without a known batch, or with the share at 1 (the pool's own check), no batch spill
+    assert rank([Candidate(400, load=99), cands[1]], 500, batch_share=0.9, **KW).spilled is None
+    assert rank(cands, 500, **KW).spilled is None
+    # pending prefill is checked first
+    r = rank([Candidate(400, pending=5000, load=15, max_running=16), cands[1]], 500,
+             batch_share=0.9, **KW)
+    assert r.spilled == "prefill"
 
 
 def test_predicted_hit_is_whole_blocks_before_the_last_token() -> None:
@@ -69,5 +85,5 @@ def test_the_order_is_a_permutation_led_by_the_longest_unsaturated_match(
         return
     assert r.order is not None and sorted(r.order) == list(range(len(cands)))
     assert r.warm is not None and eff[r.warm] == max(eff)
-    assert r.spilled == (cands[r.warm].pending >= 1000)
-    assert (r.order[0] == r.warm) != r.spilled or len(cands) == 1
+    assert (r.spilled == "prefill") == (cands[r.warm].pending >= 1000)
+    assert (r.order[0] == r.warm) != bool(r.spilled) or len(cands) == 1

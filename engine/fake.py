@@ -53,6 +53,7 @@ or ``python -m engine.fake --port 30000 --ttft-ms 50 --itl-ms 10 --tokens 256``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import enum
 import json
 import math
@@ -609,6 +610,9 @@ class FakeEngine:
         self._changed = trio.Event()
         self._server = HTTPServer(self._handle)
         self._started = time.time()
+        #: A prefix cache publishing KV events (engine/fake_cache.py): ``cached_tokens`` and
+        #: ``prompt_tokens`` then come from it.
+        self.prefix_cache: Any = None
 
     # -- observation ------------------------------------------------------------------------
 
@@ -801,6 +805,7 @@ class FakeEngine:
             "frontend": "fake",
             # Set by a gateway for its embedded engine (it checks that it talks to its child).
             "launch_token": os.environ.get("SIEPROXY_ENGINE_LAUNCH_TOKEN"),
+            **(self.prefix_cache.server_info() if self.prefix_cache is not None else {}),
         }
 
     def loads(self, *, legacy: bool = False) -> Any:
@@ -956,6 +961,9 @@ class FakeEngine:
         body = self._parse_body(req)
         call, sp = self._generate_call(body)
         plan = self.script(call)
+        if self.prefix_cache is not None:
+            n, cached = self.prefix_cache.serve(call.prompt)
+            plan = dataclasses.replace(plan, prompt_tokens=n, cached_tokens=cached)
         gen = _Generation(
             call,
             plan,
@@ -1529,6 +1537,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-path", default="fake/fake-model", help="reported in /model_info")
     p.add_argument("--served-model-name", default=None, help="the model's name (None: the path)")
     p.add_argument("--context-length", type=int, default=8192, help="reported context length")
+    p.add_argument("--kv-events-config", default=None,
+                   help="keep a prefix cache and publish KV events (SGLang's JSON, as the CPU "
+                        "engine takes it; engine/fake_cache.py)")  # fmt: skip
+    p.add_argument("--prefix-cache-tokens", type=int, default=4096,
+                   help="that cache's size in tokens")  # fmt: skip
+    p.add_argument("--tokenizer", default=None,
+                   help="a tokenizer.json to tokenize text prompts with (None: by words)")
     return p
 
 
@@ -1542,6 +1557,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         served_model_name=args.served_model_name,
         context_length=args.context_length,
     )
+    if args.kv_events_config:
+        from engine.fake_cache import FakePrefixCache
+
+        engine.prefix_cache = FakePrefixCache(
+            args.tokenizer,
+            capacity_tokens=args.prefix_cache_tokens,
+            kv_events_config=args.kv_events_config,
+        )
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:

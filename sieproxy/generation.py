@@ -255,11 +255,13 @@ async def _start(
             raise
         plan = context_plan(exc, raw, state.settings, planner, state.observer)
     pool = state.pools[plan.model]
+    policy = pool.policy  # routing = "cache_aware" (sieproxy/cache_route.py)
     hints = RouteHints(
         pool=headers.get(b"x-sie-pool") or None,
         machine_profile=headers.get(b"x-sie-machine-profile") or None,
         affinity_key=plan.affinity_key,
         prefix_key=plan.prefix_key,
+        route=None if policy is None else await policy.prepare(plan.bodies),
     )
     pool.check_hints(hints)
     prompt_estimate, cap, k = reservation(plan.bodies)
@@ -342,17 +344,25 @@ async def _admitted(
             hints, len(plan.bodies), ticket=state.tenancy.ticket(entry, lease.reserved)
         )
     except ServiceUnavailable as exc:
-        route = await fallbacks().next(cause_of(exc)) if has_fallbacks else None
-        if route is None:
+        moved = await fallbacks().next(cause_of(exc)) if has_fallbacks else None
+        if moved is None:
             raise
-        pool, hints, replica, stats.model = route.pool, route.hints, route.replica, route.model
+        pool, hints, replica, stats.model = moved.pool, moved.hints, moved.replica, moved.model
         plan = fallbacks().current
     stats.replica = replica.url
     stats.admission_wait = trio.current_time() - queued_at
+    route = hints.route  # routing = "cache_aware" (None after a fallback to another pool)
+    if route is not None:
+        stats.on_first_token = lambda: route.policy.first_token(route)
 
     def finish(b: GenerationBody) -> None:
         served = fb.current if fb is not None else plan
         b.stats.prompt_tokens, b.stats.completion_tokens = served.usage()
+        if route is not None:
+            reported = [c.cached_tokens for c in served.shaper.choices] if b.stats.responded else []
+            b.stats.cached_tokens = min(reported) if reported else None
+            b.stats.cached_predicted = route.predicted
+            route.policy.done(route, b.stats.cached_tokens)
         b.stats.outcome = client.outcome()
         prompt = b.stats.prompt_tokens
         if not prompt and b.stats.first_token_at is not None:

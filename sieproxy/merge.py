@@ -70,6 +70,8 @@ class Merger:
             self.handled_any = True
             if self.stats.first_token_at is None and item.text:
                 self.stats.first_token_at = trio.current_time()
+                if self.stats.on_first_token is not None:
+                    self.stats.on_first_token()
             out = self.shaper.on_delta(i, item)
         elif isinstance(item, CandidateFinish):
             self.handled_any = True

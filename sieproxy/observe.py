@@ -27,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from .cache_metrics import CacheRouteCollector
 from .core.errors import GatewayError
 from .pool import ModelPool
 from .stats import RequestStats
@@ -143,6 +144,7 @@ class Observer:
         self.registry = CollectorRegistry()
         self._access = access_log_enabled
         r = self.registry
+        r.register(CacheRouteCollector(pools))
         self.requests = Counter(
             "sieproxy_requests",
             "Requests by endpoint, model and status.",
@@ -304,6 +306,8 @@ class Observer:
                         "sdk_version": sdk_version,
                         "tenant": tenant,
                         "admission_wait_ms": None,
+                        "cached_tokens": None,
+                        "cached_tokens_predicted": None,
                     }
                 ).decode()
             )
@@ -366,6 +370,8 @@ class Observer:
                         "sdk_version": s.sdk_version,
                         "tenant": s.tenant,
                         "admission_wait_ms": round(s.admission_wait * 1000, 3),
+                        "cached_tokens": s.cached_tokens,
+                        "cached_tokens_predicted": s.cached_predicted,
                     }
                 ).decode()
             )

@@ -3,9 +3,10 @@
 Routing, for one request (all its candidates go to one replica and its prefix cache):
 1. Candidates are the *ready* replicas whose labels match the request's ``X-SIE-Pool`` /
    ``X-SIE-MACHINE-PROFILE`` (absent header = any).
-2. The model's ``routing`` picks the affinity key: ``prefix`` (default) — ``routing_key``, else
+2. The affinity key (``routing``): ``prefix``, ``cache_aware`` — ``routing_key``, else
    ``prompt_cache_key``, else the prompt's prefix key (:mod:`sieproxy.core.affinity`);
-   ``key_only`` — the two client keys only; ``least_loaded`` — none.
+   ``key_only`` — the client keys; ``least_loaded`` — none. ``cache_aware``'s ranking by cached
+   tokens (``policy``, :mod:`sieproxy.cache_route`, via ``RouteHints.route``) comes first.
 3. With a key, replicas are ranked by rendezvous hashing on it; the first one whose load stays
    within ``bound × (mean load + 1)`` and below the engine's running batch (its
    ``max_running_requests``, when given) is chosen: repeat prefixes reach a warm cache, one hot
@@ -39,6 +40,7 @@ import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
@@ -63,6 +65,7 @@ class RouteHints:
     machine_profile: str | None = None
     affinity_key: str | None = None  # routing_key, else prompt_cache_key
     prefix_key: str | None = None  # the prompt's leading block (sieproxy.core.affinity)
+    route: Any = None  # the prompt's tokens for ``policy`` (sieproxy.cache_route.Route)
 
 
 @dataclass(eq=False)
@@ -140,6 +143,7 @@ class ModelPool:
         #: The embedded engine's per-launch token: a replica becomes ready only once its
         #: ``/server_info`` reports it (another process on the port is never taken for it).
         self.launch_token: str | None = None
+        self.policy: Any = None  # routing = "cache_aware": its sieproxy.cache_route policy
 
     def _labels(self) -> None:
         self.pools = frozenset(r.pool for r in self.replicas if r.pool)
@@ -262,10 +266,13 @@ class ModelPool:
         if not roomy:
             return None, True
         key = self._key(h)
-        if key is not None:
+        ranked = None if key is None else sorted(roomy, key=lambda r: _score(key, r.url))
+        if h.route is not None:
+            ranked = h.route.policy.rank(h.route, ranked or roomy) or ranked
+        if ranked:
             mean = sum(r.load() for r in live) / len(live)
             limit = math.ceil(_LOAD_BOUND * (mean + 1))
-            for r in sorted(roomy, key=lambda r: _score(key, r.url)):
+            for r in ranked:
                 load = r.load()
                 if load < limit and (r.max_running is None or load < r.max_running):
                     return r, True
@@ -301,12 +308,14 @@ class ModelPool:
                 )
             finally:
                 self.waiting -= 1
-            if got is not None:
-                return got  # its slots were taken when it was granted
+            r = got  # its slots were taken when it was granted
         elif r is not None:
             r.inflight += k
             r.total += k
             self.queue.fair.charge(ticket)
+        if r is not None:
+            if h.route is not None:  # routing = "cache_aware" (sieproxy/cache_route.py)
+                h.route.policy.sent(h.route, r)
             return r
         now = trio.current_time()
         any_live = self.gate_open and any(r.available(now) for r in self.replicas if r.matches(h))

@@ -69,6 +69,8 @@ def build_app(settings: Settings) -> Quart:
             nursery.start_soon(pool.run_health_checks, state.client)
             nursery.start_soon(state.sources[name].run, pool)  # DNS names, engines file
             nursery.start_soon(discover, state, name)
+            if pool.policy is not None:  # routing = "cache_aware": KV events, its tokenizer
+                nursery.start_soon(pool.policy.run, pool, state.client)
         nursery.start_soon(run_tenancy, state, list(state.pools))  # keys file, Redis
 
     @app.after_serving

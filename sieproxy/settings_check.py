@@ -159,6 +159,7 @@ def check_settings(s: Settings, where: str, *, keys: bool = True) -> None:
             raise bad(f"models.{name}.routing", f"one of {modes}, not {m.routing!r}")
         if m.first_token_timeout is not None and m.first_token_timeout <= 0:
             raise bad(f"models.{name}.first_token_timeout", "must be a positive number of seconds")
+        _check_cache_aware(name, m, bad)
         if m.max_tool_calls < 1:
             raise bad(f"models.{name}.max_tool_calls", "must be >= 1")
         _check_parsers_and_template(name, m, bad)
@@ -198,6 +199,35 @@ def _check_aliases(s: Settings, bad: Callable[[str, str], ConfigError]) -> None:
         owner = "embedded_engine" if emb.enabled and clash[0] == emb.served_name else None
         where = owner or f"models.{clash[0]}"
         raise bad(f"{where}.aliases[{clash[1]}]", clash[2])
+
+
+def _check_cache_aware(name: str, m: ModelSettings, bad: Callable[[str, str], ConfigError]) -> None:
+    """The ``cache_aware`` keys: in range, and events only where that routing reads them."""
+    for key in ("kv_events_port", "kv_events_replay_port"):
+        port = getattr(m, key)
+        if port is not None and not 1 <= port <= 65535:
+            raise bad(f"models.{name}.{key}", "must be in [1, 65535]")
+        if port is not None and m.routing != "cache_aware":
+            raise bad(f"models.{name}.{key}", 'applies to routing = "cache_aware" only')
+    for key in ("kv_events_stale", "prefill_tokens_per_s", "spill_delay"):
+        if getattr(m, key) <= 0:
+            raise bad(f"models.{name}.{key}", "must be a positive number")
+    if not 0 < m.spill_batch_share <= 1:
+        raise bad(f"models.{name}.spill_batch_share", "must be in (0, 1]")
+    if m.min_match_tokens < 0:
+        raise bad(f"models.{name}.min_match_tokens", "must be >= 0")
+    if m.cache_tokens < 1:
+        raise bad(f"models.{name}.cache_tokens", "must be a positive number of tokens")
+    for i, e in enumerate(m.engines):
+        for key in ("kv_events", "kv_events_replay"):
+            endpoint = getattr(e, key, None) if isinstance(e, EngineSpec) else None
+            if endpoint is None:
+                continue
+            where = f"models.{name}.engines[{i}].{key}"
+            if m.routing != "cache_aware":
+                raise bad(where, 'applies to routing = "cache_aware" only')
+            if not re.match(r"^(tcp|ipc)://\S+$", endpoint):
+                raise bad(where, f"not a tcp:// or ipc:// endpoint: {endpoint!r}")
 
 
 def _check_fallbacks(s: Settings, bad: Callable[[str, str], ConfigError]) -> None:

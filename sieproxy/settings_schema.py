@@ -127,6 +127,10 @@ class EngineSpec(_Conf):
     #: The engine's API: ``"sglang"`` (native ``/generate``) or ``"openai"`` (an
     #: OpenAI-compatible server; docs/CONFIGURATION.md "The OpenAI-compatible protocol").
     protocol: str = "sglang"
+    #: ``routing = "cache_aware"``: this engine's KV-event ZMQ endpoint (``tcp://host:port``)
+    #: and replay endpoint, overriding the model's ``kv_events_port`` rule.
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
 
 
 class FallbackSpec(_Conf):
@@ -188,6 +192,25 @@ class ModelSettings(_Conf):
             isinstance(e, EngineSpec) and e.protocol == "openai" for e in self.engines
         )
         return "engine" if openai and not self.engines_file else "gateway"
+
+    # --- routing = "cache_aware" (sieproxy/cache_route.py, docs/CONFIGURATION.md) ----------
+    #: Each replica's KV events at ``tcp://<its URL's host>:<port>`` (None: no events, unless
+    #: an engine entry names its ``kv_events``); the replay socket likewise; the ZMQ topic.
+    kv_events_port: int | None = None
+    kv_events_replay_port: int | None = None
+    kv_events_topic: str = ""
+    #: A stream silent this long after a request was sent is out of sync (seconds).
+    kv_events_stale: float = 10.0
+    #: Prefill tokens per second of one replica, and the delay a request may wait for a warm
+    #: cache: a replica whose uncached prefill in flight reaches their product spills.
+    prefill_tokens_per_s: float = 10_000.0
+    spill_delay: float = 0.5
+    #: ... and so does one whose load reached this share of its engine's running batch.
+    spill_batch_share: float = 0.9
+    #: A cached match shorter than this (or than two blocks) is no affinity.
+    min_match_tokens: int = 64
+    #: A replica's prefix-cache size in tokens when its engine does not report one.
+    cache_tokens: int = 100_000
 
 
 class EmbeddedEngine(_Conf):
@@ -269,4 +292,4 @@ def fallback_target(owner: str, entry: str | FallbackSpec) -> tuple[str, str | N
 
 
 #: The values of a model's ``routing`` (their meaning: sieproxy/pool.py).
-ROUTING_MODES = ("prefix", "least_loaded", "key_only")
+ROUTING_MODES = ("prefix", "least_loaded", "key_only", "cache_aware")

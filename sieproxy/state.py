@@ -23,6 +23,7 @@ import msgspec
 import trio
 
 from .auth import Authenticator
+from .cache_route import CacheAwarePolicy
 from .core.errors import GatewayError
 from .core.profile import ModelProfile, positive_int
 from .core.protocol import protocol_for
@@ -153,6 +154,9 @@ def build_state(settings: Settings) -> GatewayState:
         name: ModelPool(name, sources[name].specs(), g, routing=m.routing)
         for name, m in models.items()
     }
+    for name, m in models.items():
+        if m.routing == "cache_aware":
+            pools[name].policy = CacheAwarePolicy(name, m)
     if settings.embedded_engine.enabled:
         pools[settings.embedded_engine.served_name].launch_token = secrets.token_urlsafe(16)
     for name, m in models.items():

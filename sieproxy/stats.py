@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .core.errors import GatewayError
@@ -36,3 +37,8 @@ class RequestStats:
     #: once).
     outcome: str = "complete"
     responded: bool = False  # its status line was sent
+    #: ``cache_aware`` routing: the cached prompt tokens predicted for the chosen replica, and
+    #: the engine's report (``cached_tokens``); called at the first token.
+    cached_predicted: int | None = None
+    cached_tokens: int | None = None
+    on_first_token: Callable[[], None] | None = None

@@ -17,6 +17,12 @@ Use. The scheduler (the only thread touching this object) calls:
   of what the slot holds (prompt plus generated tokens whose KV was written) are copied from
   the slot into the store, reusing the nodes already there.
 
+Events. With ``on_events`` set (``--kv-events-config``, :mod:`engine.kv_events`), every change
+is reported as SGLang reports its radix cache's: the blocks one insert created as one
+``BlockStored`` (their hashes, the parent's, their tokens, the block size, the adapter's id or
+None), evicted blocks as ``BlockRemoved``, a flush as ``AllBlocksCleared``. A block's hash is
+``hash((parent's hash, its tokens))``: this process's own, as an engine's hashes are.
+
 Copies, not shared pages: a running request never references the store, so eviction and
 :meth:`flush` are safe at any time, and the decode kernels keep their dense per-slot layout.
 
@@ -29,7 +35,8 @@ orphans a cached block.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 
@@ -41,13 +48,14 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 class _Node:
-    __slots__ = ("block", "children", "key", "parent")
+    __slots__ = ("block", "children", "hash", "key", "parent")
 
     def __init__(self, parent: _Node | None, key: tuple[int, ...], block: int) -> None:
         self.parent = parent
         self.key = key
         self.block = block
         self.children: dict[tuple[int, ...], _Node] = {}
+        self.hash = hash((parent.hash if parent is not None else 0, key))
 
 
 class PrefixCache:
@@ -66,6 +74,10 @@ class PrefixCache:
         self._lru: OrderedDict[_Node, None] = OrderedDict()
         self.hits = 0  # prompt tokens served from the cache, in total
         self.evictions = 0  # blocks evicted, in total
+        #: Called with each change's events (a list), from the scheduler thread.
+        self.on_events: Callable[[list[Any]], None] | None = None
+        self._removed: list[int] = []
+        self._lora_ids: dict[Hashable, int | None] = {None: None}
 
     @property
     def enabled(self) -> bool:
@@ -84,6 +96,7 @@ class PrefixCache:
         root = self._roots.get(adapter)
         if root is None:
             root = self._roots[adapter] = _Node(None, (), -1)
+            root.hash = 0 if adapter is None else hash((1, id(adapter)))
         return root
 
     def _touch(self, node: _Node) -> None:
@@ -167,6 +180,7 @@ class PrefixCache:
             node = child
         self._touch(node)
         start, end = len(path) * b, total * b
+        self._report(adapter, path[-1] if path else None, created, tokens[start:end])
         idx = torch.tensor([c.block for c in created], dtype=torch.long)
         layers = len(pool.k)
         for layer in range(layers):
@@ -184,12 +198,32 @@ class PrefixCache:
         del parent.children[node.key]
         self._free.append(node.block)
         self.evictions += 1
+        if self.on_events is not None:
+            self._removed.append(node.hash)
+
+    def _report(
+        self, adapter: Hashable, parent: _Node | None, created: list[_Node], tokens: Sequence[int]
+    ) -> None:
+        if self.on_events is None:
+            return
+        events: list[Any] = []
+        if self._removed:
+            events.append(["BlockRemoved", self._removed])
+            self._removed = []
+        lora = self._lora_ids.setdefault(adapter, len(self._lora_ids))
+        parent_hash = parent.hash if parent is not None else None
+        hashes = [c.hash for c in created]
+        events.append(["BlockStored", hashes, parent_hash, list(tokens), self.block_size, lora])
+        self.on_events(events)
 
     def flush(self) -> None:
         """Drop every entry."""
         self._roots.clear()
         self._lru.clear()
         self._free = list(range(self.capacity - 1, -1, -1))
+        if self.on_events is not None:
+            self._removed = []
+            self.on_events([["AllBlocksCleared"]])
 
     def statistics(self) -> dict[str, int]:
         """Counters for /server_info."""

@@ -23,6 +23,7 @@ from engine.cpu.model import TransformerModel, load_model
 from engine.cpu.model_store import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME, resolve_model
 from engine.cpu.params import MODEL_DEFAULT_KEYS
 from engine.cpu.scheduler import Scheduler
+from engine.kv_events import KVEventPublisher, parse_kv_events_config
 
 __all__ = [
     "DEFAULT_PREFIX_CACHE_TOKENS",
@@ -50,6 +51,8 @@ class EngineConfig:
     prefill_chunk: int = 256
     prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS  # 0: no prefix cache
     threads: int = 0  # 0: one per core
+    #: SGLang's ``--kv-events-config`` JSON (engine/kv_events.py); None: no KV events.
+    kv_events_config: str | None = None
 
 
 class CpuEngine:
@@ -68,6 +71,7 @@ class CpuEngine:
         self.sampling_defaults: dict[str, float] = {}
         self.load_seconds = 0.0
         self.ready = False
+        self.kv_events: KVEventPublisher | None = None
         self.error: str | None = None
 
     @property
@@ -115,6 +119,10 @@ class CpuEngine:
             prefill_chunk=self.config.prefill_chunk,
             prefix_cache_tokens=self.config.prefix_cache_tokens,
         )
+        conf = parse_kv_events_config(self.config.kv_events_config)
+        if conf is not None and self.scheduler.cache.enabled:
+            self.kv_events = KVEventPublisher(conf)
+            self.scheduler.cache.on_events = self.kv_events.publish
         self.scheduler.start()
         self.load_seconds = time.monotonic() - started
         self.ready = True
@@ -125,6 +133,8 @@ class CpuEngine:
         self.ready = False
         if self.scheduler is not None:
             self.scheduler.stop()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def encode(self, text: str) -> list[int]:
         """Tokenize like SGLang: the tokenizer's defaults (special tokens added if it adds)."""

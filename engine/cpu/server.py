@@ -42,6 +42,7 @@ from engine.cpu.grammar import GrammarError
 from engine.cpu.params import ContractError, ParamError, SamplingParams, parse_sampling_params
 from engine.cpu.runner import DEFAULT_PREFIX_CACHE_TOKENS, CpuEngine, EngineConfig
 from engine.cpu.scheduler import QueueFullError, Request, Update
+from engine.kv_events import parse_kv_events_config
 
 __all__ = ["build_app", "main", "parse_args", "serve"]
 
@@ -528,6 +529,7 @@ def build_app(engine: CpuEngine) -> QuartTrio:
             "host": app.config.get("ENGINE_HOST"),
             "port": app.config.get("ENGINE_PORT"),
             "launch_command": " ".join(sys.argv),
+            "kv_events_config": engine.kv_events.config_json() if engine.kv_events else None,
             "max_total_num_tokens": engine.context_length * cfg.max_running,
             "max_req_input_len": max(engine.context_length - 1, 0),
             "startup_time": engine.load_seconds,
@@ -601,6 +603,14 @@ def _lora_arg(value: str) -> tuple[str, Path]:
     return name, Path(path).expanduser()
 
 
+def _kv_events_arg(value: str) -> str:
+    try:
+        parse_kv_events_config(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse ``serve`` arguments."""
     parser = argparse.ArgumentParser(
@@ -655,6 +665,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_PREFIX_CACHE_TOKENS,
         help="KV tokens kept for reuse by requests sharing a prefix (0: no prefix cache)",
     )
+    parser.add_argument(
+        "--kv-events-config",
+        type=_kv_events_arg,
+        default=None,
+        help="publish KV-cache events as SGLang does: its JSON, e.g. "
+        '\'{"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'',
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
     return parser.parse_args(argv)
@@ -676,6 +693,7 @@ async def serve(
             prefill_chunk=args.prefill_chunk,
             prefix_cache_tokens=args.prefix_cache_tokens,
             threads=args.threads,
+            kv_events_config=args.kv_events_config,
         )
     )
     app = build_app(engine)

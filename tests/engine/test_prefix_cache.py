@@ -304,3 +304,33 @@ def test_requests_arriving_together_prefill_a_shared_prompt_once(engine: CpuEngi
     assert cached[0] == 0  # one of them computed the prompt ...
     assert cached[1] == cached[2] == (len(ids) - 1) // 16 * 16  # ... the others reused it
     assert all(req.output_ids == ref for req, _ in pairs)
+
+
+def test_events_let_an_index_follow_the_cache_exactly() -> None:
+    """The KV events the cache reports rebuild, in the gateway's index, exactly what it holds:
+    for every prompt, the index's match equals the cache's own (inserts, evictions, flush)."""
+    import random
+
+    import msgspec
+
+    from sieproxy.core.kvindex import BlockIndex, chain_keys, decode_batch, matched_blocks
+
+    pool = KVPool(SMALL, 1)
+    cache = PrefixCache(SMALL, max_tokens=24, block_size=4)  # 6 blocks: evictions happen
+    index = BlockIndex()
+    cache.on_events = lambda evs: index.apply(
+        decode_batch(msgspec.msgpack.encode([0.0, evs])))
+    rnd = random.Random(5)
+    prompts = [[rnd.randrange(3) for _ in range(rnd.randrange(4, 20))] for _ in range(40)]
+    for p in prompts:
+        _fill(pool, 0, p)
+        cache.insert(None, p, len(p), pool, 0)
+        for q in prompts:
+            held = matched_blocks(chain_keys([*q, 0], 4), index) * 4
+            assert held == cache.cached_length(None, [*q, 0])
+    assert len(index) == cache.cached_blocks
+    cache.insert("adapter", prompts[0], len(prompts[0]), pool, 0)  # another namespace
+    assert matched_blocks(chain_keys(prompts[0] + [0], 4), index) * 4 == cache.cached_length(
+        None, prompts[0] + [0])
+    cache.flush()
+    assert len(index) == 0

@@ -286,7 +286,8 @@ async def test_refused_requests_are_counted() -> None:
 FIELDS = {
     "request_id", "endpoint", "model", "status", "outcome", "n", "stream", "prompt_tokens",
     "completion_tokens", "ttft_ms", "duration_ms", "replica", "abort_causes", "retried",
-    "error_code", "sdk_version", "tenant", "admission_wait_ms",
+    "error_code", "sdk_version", "tenant", "admission_wait_ms", "cached_tokens",
+    "cached_tokens_predicted",
 }  # fmt: skip
 
 

@@ -1,0 +1,126 @@
+"""Cache-aware routing end to end: two CPU engines publishing KV events (``--kv-events-config``,
+SGLang's JSON; each advertises its bound endpoints in ``/server_info``), a real gateway with
+``routing = "cache_aware"`` and the model's own tokenizer. A repeated long prefix lands where
+the engine holds it, and the engine's reported ``cached_tokens`` equals the prediction."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("torch")
+pytest.importorskip("xgrammar")
+import trio  # noqa: E402
+
+from sieproxy.cache_route import CacheAwarePolicy  # noqa: E402
+from sieproxy.serve import build_app, serve  # noqa: E402
+from sieproxy.settings import GatewaySettings, ModelSettings, Settings  # noqa: E402
+from tests.procs import stop_process  # noqa: E402
+
+pytestmark = pytest.mark.model
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "smol"
+READY_TIMEOUT = 600.0
+EVENTS = '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}'
+
+
+@pytest.fixture(scope="module")
+def two_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    procs, logs, urls = [], [], []
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    try:
+        for i in range(2):
+            path = tmp_path_factory.mktemp(f"engine{i}") / "engine.log"
+            log = path.open("wb")
+            logs.append((path, log))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "engine", "serve", "--model", "default",
+                 "--host", "127.0.0.1", "--port", "0", "--served-model-name", MODEL,
+                 "--max-running", "4", "--threads", "1", "--prefix-cache-tokens", "4096",
+                 "--kv-events-config", EVENTS],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT)))
+        deadline = time.monotonic() + READY_TIMEOUT
+        for proc, (path, _) in zip(procs, logs, strict=True):
+            url = None
+            while url is None:
+                m = re.search(r"listening on (http://\S+)", path.read_text(errors="replace"))
+                if m:
+                    url = m.group(1)
+                elif proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"CPU engine did not start:\n{path.read_text(errors='replace')}")
+                else:
+                    time.sleep(0.05)
+            while True:
+                try:
+                    if httpx.get(url + "/health", timeout=60).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"CPU engine not healthy:\n{path.read_text(errors='replace')}")
+                time.sleep(0.25)
+            urls.append(url)
+        yield urls
+    finally:
+        for proc in procs:
+            stop_process(proc, grace=20)
+        for _, log in logs:
+            log.close()
+
+
+async def test_a_repeated_prefix_lands_where_the_engine_caches_it(two_engines: list[str]) -> None:
+    model_dir = httpx.get(two_engines[0] + "/model_info", timeout=30).json()["tokenizer_path"]
+    settings = Settings(
+        gateway=GatewaySettings(host="127.0.0.1", port=0, health_interval=0.2, access_log=False),
+        models={MODEL: ModelSettings(engines=list(two_engines), tokenizer=model_dir,
+                                     routing="cache_aware")},
+    )
+    system = " ".join(f"Rule {i}: answer in the fewest words, and never say number {i}."
+                      for i in range(40))  # about 700 tokens
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            app = build_app(settings)
+            stop = trio.Event()
+            binds = await nursery.start(partial(serve, settings, shutdown_trigger=stop, app=app))
+            policy = app.extensions["sieproxy"].pools[MODEL].policy
+            assert isinstance(policy, CacheAwarePolicy)
+            async with httpx.AsyncClient(base_url=binds[0], timeout=300) as client:
+                while (await client.get("/readyz")).status_code != 200:
+                    await trio.sleep(0.1)
+                while not (policy.tokenizer is not None and len(policy.caches) == 2 and all(
+                        rc.stream is not None for rc in policy.caches.values())):
+                    await trio.sleep(0.1)
+
+                async def ask(question: str) -> int:
+                    r = await client.post("/v1/chat/completions", json={
+                        "model": MODEL, "max_tokens": 2, "temperature": 0,
+                        "messages": [{"role": "system", "content": system},
+                                     {"role": "user", "content": question}]})
+                    assert r.status_code == 200, r.text
+                    cached: int = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    return cached
+
+                assert await ask("What is rule 3?") == 0
+                # the engine's events reach the gateway's index of the replica that served it
+                while not any(rc.stream is not None and len(rc.stream.index) >= 40
+                              for rc in policy.caches.values()):
+                    await trio.sleep(0.05)
+                for q in ("What is rule 7?", "And rule 12?", "Which rule mentions 30?"):
+                    assert await ask(q) >= 600
+                served = [rc for rc in policy.caches.values() if sum(rc.outcomes.values())]
+                assert len(served) == 1, "every repeat went to the replica holding the prefix"
+                rc = served[0]
+                # four requests (the first predicted and reported 0), every prediction exact
+                assert rc.outcomes["exact"] == 4 and rc.predicted == rc.reported >= 1800
+            stop.set()
+            nursery.cancel_scope.cancel()

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import trio
 from quart import Response
 
 from .core.errors import (
@@ -156,7 +157,8 @@ async def serve_generation(
                     )
                 raw = await read_body(headers, receive, g.max_body_bytes, body_timeout)
                 watch.watch(client.leave)
-                body, limit_headers = await _start(state, endpoint, rid, headers, raw, client, entry)
+                started = await _start(state, endpoint, rid, headers, raw, client, entry)
+                body, limit_headers = started
             except ClientGone:
                 refused = refusal()  # the connection answered a body it could not read
                 if refused is None:

@@ -241,7 +241,7 @@ class Observer:
             self.registry.register(_LimiterCollector(limiter))
 
     def tenant_rejected(self, tenant: str, limit: str) -> None:
-        child(self.tenant_rejections, tenant, limit).inc()
+        self._child(self.tenant_rejections, tenant, limit).inc()
         if self._limiter is not None:
             self._limiter.count(tenant, f"rejected_{limit}")
 
@@ -283,7 +283,7 @@ class Observer:
     ) -> None:
         self.requests.labels(endpoint, "", str(status)).inc()
         if tenant is not None:
-            child(self.tenant_requests, tenant, str(status)).inc()
+            self._child(self.tenant_requests, tenant, str(status)).inc()
         if self._access and access_log.isEnabledFor(logging.INFO):
             access_log.info(
                 _enc.encode(
@@ -378,12 +378,12 @@ class Observer:
 
     def _tenant_done(self, s: RequestStats, status: int) -> None:
         tenant = s.tenant or ""
-        child(self.tenant_requests, tenant, str(status)).inc()
-        child(self.tenant_wait, tenant).observe(s.admission_wait)
+        self._child(self.tenant_requests, tenant, str(status)).inc()
+        self._child(self.tenant_wait, tenant).observe(s.admission_wait)
         if s.prompt_tokens:
-            child(self.tenant_tokens, tenant, "in").inc(s.prompt_tokens)
+            self._child(self.tenant_tokens, tenant, "in").inc(s.prompt_tokens)
         if s.completion_tokens:
-            child(self.tenant_tokens, tenant, "out").inc(s.completion_tokens)
+            self._child(self.tenant_tokens, tenant, "out").inc(s.completion_tokens)
         if self._limiter is not None:
             self._limiter.count(tenant, "requests")
             self._limiter.count(tenant, "prompt_tokens", s.prompt_tokens)

@@ -180,6 +180,10 @@ class UpstreamResponse:
     def reusable(self) -> bool:
         return self._parser.done and self._parser.keep_alive
 
+    def header(self, name: bytes) -> bytes | None:
+        """A response header's value (``name`` in lower case), None when absent."""
+        return self._parser.headers.get(name)
+
     def close(self) -> None:
         """Close the connection now, synchronously, from any task not reading it (the engine
         sees the disconnect; this response is never reused)."""
@@ -324,7 +328,7 @@ class Exchange:
                     text = await resp.read_all(DRAIN_LIMIT)
                 err = _status_error(resp.status, text)
                 err.upstream_retry_after = parse_retry_after(
-                    parser.headers.get(b"retry-after"), time.time()
+                    resp.header(b"retry-after"), time.time()
                 )
                 raise err
         except BaseException:

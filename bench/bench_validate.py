@@ -13,8 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sieproxy.core.profile import ModelProfile
-from sieproxy.core.validate import check_chat, decode_chat
+from sieproxy.core.request.profile import ModelProfile
+from sieproxy.core.request.validate import check_chat, decode_chat
 
 PROFILE = ModelProfile(name="test-model", lora_names=frozenset({"my-adapter"}))
 

@@ -6,7 +6,7 @@ clock (virtual seconds, jumped whenever every task waits), so its figures do not
 
 What is real: the gateway's routing. Each request is a chat body planned by the core
 (``build_chat``: template rendering, the prefix-affinity key) and placed by a real
-:class:`sieproxy.pool.ModelPool` (``acquire``/``release``, its health watcher reading each
+:class:`sieproxy.fleet.pool.ModelPool` (``acquire``/``release``, its health watcher reading each
 replica's load every ``load_interval``). Two pools stand for two gateway processes sharing
 nothing; the turns of one conversation alternate between them, as behind a load balancer.
 
@@ -40,10 +40,10 @@ import msgspec
 import trio
 import trio.testing
 
-from sieproxy.core.pipeline import build_chat
-from sieproxy.core.profile import ModelProfile
-from sieproxy.pool import ModelPool, RouteHints
-from sieproxy.settings import EngineSpec, GatewaySettings
+from sieproxy.core.planning.pipeline import build_chat
+from sieproxy.core.request.profile import ModelProfile
+from sieproxy.fleet.pool import ModelPool, RouteHints
+from sieproxy.settings.load import EngineSpec, GatewaySettings
 
 MODEL = "sim"
 CHATML = (

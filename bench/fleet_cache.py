@@ -1,10 +1,10 @@
 """``python -m bench fleet --workloads ...``: cache-aware routing against the other policies on
 a simulated fleet, three workloads, on Trio's mock clock (virtual seconds; see bench/fleet.py).
 
-What is real: the gateway's routing — two :class:`sieproxy.pool.ModelPool`s (two gateway
+What is real: the gateway's routing — two :class:`sieproxy.fleet.pool.ModelPool`s (two gateway
 processes sharing nothing; the requests alternate between them), with their health watchers
 reading each replica's load every ``load_interval``; for ``cache_aware`` each pool has its
-real :class:`sieproxy.cache_route.CacheAwarePolicy`, fed the prompt's token ids, and either no
+real :class:`sieproxy.fleet.cache_route.CacheAwarePolicy`, fed the prompt's token ids, and either no
 events (``approx``: the gateway's approximate index alone) or each replica's KV events
 (``events``: every cache change is published as an SGLang batch, msgpack-encoded, and fed to
 both gateways' streams at once).
@@ -39,11 +39,11 @@ import msgspec
 import trio
 import trio.testing
 
-from sieproxy.cache_route import CacheAwarePolicy, Route
-from sieproxy.core.affinity import prefix_key
-from sieproxy.core.kvindex import EventStream, chain_keys
-from sieproxy.pool import ModelPool, RouteHints
-from sieproxy.settings import EngineSpec, GatewaySettings, ModelSettings
+from sieproxy.fleet.cache_route import CacheAwarePolicy, Route
+from sieproxy.core.planning.affinity import prefix_key
+from sieproxy.core.routing.kvindex import EventStream, chain_keys
+from sieproxy.fleet.pool import ModelPool, RouteHints
+from sieproxy.settings.load import EngineSpec, GatewaySettings, ModelSettings
 
 MODEL = "sim"
 BLOCK = 16

@@ -26,12 +26,12 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from sieproxy.core.errors import GatewayError
-from sieproxy.engine_client import EngineClient, UpstreamResponse
-from sieproxy.hypercorn_io import ChunkWriter, ClientWatch, body_writer, chunk_writer
-from sieproxy.hypercorn_io import install as install_hypercorn_io
-from sieproxy.pump import Pump
-from sieproxy.serve import tune_gc
-from sieproxy.settings import GatewaySettings
+from sieproxy.fleet.client import EngineClient, UpstreamResponse
+from sieproxy.front.hypercorn_io import ChunkWriter, ClientWatch, body_writer, chunk_writer
+from sieproxy.front.hypercorn_io import install as install_hypercorn_io
+from sieproxy.relay.pump import Pump
+from sieproxy.operations.serve import tune_gc
+from sieproxy.settings.load import GatewaySettings
 
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]

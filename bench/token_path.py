@@ -4,7 +4,7 @@
 (``core.pipeline.build_chat`` on the bench's model profile), an ``n`` = 1 response body
 (``relay.GenerationBody``) reading an engine response, and a client writer, and then relays
 ``TOKENS`` tokens through ``InlineReader.ride()`` — the relay pump's step, which carries
-nearly every token of a streamed ``n`` = 1 response (sieproxy/pump.py). Each step runs the
+nearly every token of a streamed ``n`` = 1 response (sieproxy/relay/pump.py). Each step runs the
 real code: the engine's HTTP/1.1 chunk framing (``core.http1``), SSE (``core.sse``), SGLang's
 ``/generate`` chunk (``core.sglang``), the choice and the chunk shaper (``core.choice``,
 ``core.merger``), the client's chunk framing (``hypercorn_io.ChunkWriter``). Only the two ends
@@ -47,21 +47,21 @@ sys.path.insert(0, os.environ.get("SIEPROXY_TREE", str(ROOT)))
 
 import trio  # noqa: E402
 
-from sieproxy.core.http1 import ResponseParser  # noqa: E402
-from sieproxy.core.pipeline import build_chat  # noqa: E402
-from sieproxy.core.sse import SSEDecoder  # noqa: E402
+from sieproxy.core.upstream.http1 import ResponseParser  # noqa: E402
+from sieproxy.core.planning.pipeline import build_chat  # noqa: E402
+from sieproxy.core.upstream.sse import SSEDecoder  # noqa: E402
 
 try:  # the SGLang protocol's reader (``core.sglang``)
-    from sieproxy.core.sglang import NativeReader
+    from sieproxy.core.upstream.sglang import NativeReader
 except ImportError:  # a revision before the protocol seam: reader and decoder apart
     NativeReader = None  # type: ignore[assignment,misc]
     from sieproxy.core.upstream import GenerateReader  # type: ignore[import-not-found,no-redef]
-from sieproxy.engine_client import UpstreamResponse  # noqa: E402
-from sieproxy.hypercorn_io import ChunkWriter  # noqa: E402
-from sieproxy.pool import Replica, RouteHints  # noqa: E402
-from sieproxy.relay import GenerationBody, RequestStats  # noqa: E402
-from sieproxy.serve import build_state  # noqa: E402
-from sieproxy.settings import load_settings  # noqa: E402
+from sieproxy.fleet.client import UpstreamResponse  # noqa: E402
+from sieproxy.front.hypercorn_io import ChunkWriter  # noqa: E402
+from sieproxy.fleet.pool import Replica, RouteHints  # noqa: E402
+from sieproxy.relay.body import GenerationBody, RequestStats  # noqa: E402
+from sieproxy.operations.serve import build_state  # noqa: E402
+from sieproxy.settings.load import load_settings  # noqa: E402
 
 #: Distinct engine chunks the harness cycles through (their texts and token counts differ).
 DISTINCT = 1000
@@ -112,7 +112,7 @@ class _Stream:
 def _stream(state: Any, k: int) -> tuple[Any, _Client]:
     """Stream ``k``: a streamed chat's response body, primed and carried by the pump (as the
     route leaves it), reading ``_Engine``'s chunks and writing to its own ``_Client``; what the
-    pump calls ``ride()`` on (the inline reader; in revisions before ``sieproxy/inline.py``,
+    pump calls ``ride()`` on (the inline reader; in revisions before ``sieproxy/relay/inline.py``,
     the body itself). Written for both shapes, so ``--against`` can count older revisions."""
     raw = json.dumps(
         {"model": "bench-model", "stream": True, "max_tokens": 1 << 20,
@@ -130,7 +130,7 @@ def _stream(state: Any, k: int) -> tuple[Any, _Client]:
     clock = trio.lowlevel.current_clock().current_time  # as __aenter__ sets it
     body._now, body._deadline = clock, math.inf
     # The role chunk: prime()'s work, before the loop (the shaper is the merger's since
-    # sieproxy/merge.py, the body's before).
+    # sieproxy/relay/merge.py, the body's before).
     (body._m.shaper if hasattr(body, "_m") else body._shaper).start()
     body.stats.first_token_at = 0.0  # prime() counted the first token
     parser = ResponseParser()
@@ -140,7 +140,7 @@ def _stream(state: Any, k: int) -> tuple[Any, _Client]:
     out._server, out._stream, out._rest = client, _Stream(), b""  # type: ignore[assignment]
     il = body._il
     assert il is not None
-    if hasattr(il, "ride"):  # sieproxy/inline.py: the reader keeps its own clock and deadline
+    if hasattr(il, "ride"):  # sieproxy/relay/inline.py: the reader keeps its own clock and deadline
         il.clock, il.deadline = clock, math.inf
     il.resp = UpstreamResponse(_Engine(), parser, b"")  # type: ignore[arg-type]
     max_line = state.settings.gateway.max_sse_line_bytes

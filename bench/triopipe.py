@@ -24,7 +24,7 @@ from functools import partial
 
 import trio
 
-from sieproxy.pump import Pump
+from sieproxy.relay.pump import Pump
 
 _RECV = 65536
 

@@ -7,9 +7,9 @@ checks, client); the gateway keeps no shared state, so workers scale out behind 
 import logging
 from collections.abc import Callable
 
-from .hypercorn_io import install as install_hypercorn_io
-from .serve import build_app, tune_gc
-from .settings import load_settings
+from .front.hypercorn_io import install as install_hypercorn_io
+from .operations.serve import build_app, tune_gc
+from .settings.load import load_settings
 
 __all__ = ["app"]
 

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from sieproxy.core.profile import ModelProfile
+from sieproxy.core.request.profile import ModelProfile
 
 __all__ = [
     "CASES",

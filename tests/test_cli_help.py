@@ -69,7 +69,7 @@ def test_a_port_taken_after_the_check_is_still_one_line(
     error (inside Trio's exception group) is one line and exit status 1, not a traceback."""
     import socket
 
-    from sieproxy import serve as serve_mod
+    from sieproxy.operations import serve as serve_mod
 
     monkeypatch.setattr(serve_mod, "claim_ports", lambda settings: None)  # lose the race
     monkeypatch.setattr(serve_mod, "tune_gc", lambda: None)

@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from sieproxy.cli import main
-from sieproxy.quickstart import ModelFlags, serve_settings, served_name_for, settings_from_flags
-from sieproxy.serve import effective_models
-from sieproxy.settings import DEFAULT_MODEL_NAME, ConfigError
+from sieproxy.operations.quickstart import ModelFlags, serve_settings, served_name_for, settings_from_flags
+from sieproxy.operations.serve import effective_models
+from sieproxy.settings.load import DEFAULT_MODEL_NAME, ConfigError
 from tests.procs import stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,7 +205,7 @@ def test_serve_model_bundled_gguf_end_to_end(tmp_path: Path) -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     launcher = (
-        "import sys, sieproxy.quickstart as q\n"
+        "import sys, sieproxy.operations.quickstart as q\n"
         "load = q.load_settings\n"
         "def moved(path):\n"
         "    s = load(path)\n"

@@ -1,4 +1,4 @@
-"""The serving entry points tune the garbage collector (``sieproxy.serve.tune_gc``); building
+"""The serving entry points tune the garbage collector (``sieproxy.operations.serve.tune_gc``); building
 the app alone does not (an embedding host keeps its own collector settings)."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def probe(setup: str, tmp_path: Path) -> tuple[list[int], int]:
 
 
 def test_asgi_entry_point_tunes_gc(tmp_path: Path) -> None:
-    from sieproxy.serve import GC_THRESHOLDS
+    from sieproxy.operations.serve import GC_THRESHOLDS
 
     thresholds, frozen = probe("import sieproxy.asgi", tmp_path)
     assert tuple(thresholds) == GC_THRESHOLDS
@@ -44,7 +44,7 @@ def test_asgi_entry_point_tunes_gc(tmp_path: Path) -> None:
 
 def test_build_app_alone_leaves_gc_alone(tmp_path: Path) -> None:
     setup = (
-        "from sieproxy.settings import load_settings; from sieproxy.serve import build_app; "
+        "from sieproxy.settings.load import load_settings; from sieproxy.operations.serve import build_app; "
         "build_app(load_settings())"
     )
     thresholds, frozen = probe(setup, tmp_path)

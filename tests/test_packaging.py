@@ -12,7 +12,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from sieproxy.settings import GatewaySettings
+from sieproxy.settings.load import GatewaySettings
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_ONLY = {"pytest", "pytest-trio", "schemathesis", "hypothesis", "pip-audit", "peft", "openai"}

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from sieproxy.serve import build_state
-from sieproxy.settings import DEFAULT_MODEL_NAME, ConfigError, load_settings
+from sieproxy.operations.serve import build_state
+from sieproxy.settings.load import DEFAULT_MODEL_NAME, ConfigError, load_settings
 
 GOOD = """
 [gateway]
@@ -261,7 +261,7 @@ def test_unreadable_file(tmp_path: Path) -> None:
 
 
 def test_embedded_engine_prefix_cache_reaches_the_engine_argv(tmp_path: Path) -> None:
-    from sieproxy.child import engine_argv
+    from sieproxy.operations.child import engine_argv
 
     text = (
         "[embedded_engine]\nenabled = true\nprefix_cache_tokens = 0\n"

@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .refusal import Refusal
+    from .request.refusal import Refusal
 
 __all__ = [
     "AuthenticationError",

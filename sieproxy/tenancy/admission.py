@@ -1,6 +1,6 @@
 """Requests waiting for a replica slot, granted in fair-share order (``core.fairshare``).
 
-A model's pool (sieproxy/pool.py) keeps one :class:`AdmissionQueue`. A request that finds no
+A model's pool (sieproxy/fleet/pool.py) keeps one :class:`AdmissionQueue`. A request that finds no
 replica with room waits in it; whenever capacity may have appeared (a slot released, a replica
 ready or back) the pool calls :meth:`AdmissionQueue.dispatch`, which walks the waiting requests
 in rank order (priority class, then the tenant's fair-share tag, then arrival) and hands each
@@ -16,7 +16,7 @@ from typing import Any
 
 import trio
 
-from ..core.fairshare import FairShare, Ticket
+from ..core.tenancy.fairshare import FairShare, Ticket
 
 __all__ = ["AdmissionQueue", "Waiter"]
 

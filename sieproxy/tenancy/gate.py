@@ -7,7 +7,7 @@ about the models it may not use), then ``admit`` once it knows the reservation (
 request can never fit the per-minute budget, 429 ``core.quota.RateLimited`` over a limit; the
 errors are in the shared tree, and carry what another envelope needs to render them), and
 ``settle`` at the end with the tokens used. chat, completions and Responses go through it in
-sieproxy/generation.py.
+sieproxy/front/intake.py.
 
 Prompt tokens: the gateway has no tokenizer on the request path (it sends the rendered prompt
 as text), so the reservation uses an estimate of one token per 4 bytes of the rendered prompt
@@ -25,9 +25,9 @@ from typing import Any
 import msgspec
 
 from ..core.errors import NotFound
-from ..core.fairshare import Ticket
-from ..core.quota import RateLimited, too_large
-from .keys import KeyEntry, Tenant
+from ..core.tenancy.fairshare import Ticket
+from ..core.tenancy.quota import RateLimited, too_large
+from ..settings.keys import KeyEntry, Tenant
 from .limiter import Lease, Limiter
 
 __all__ = ["ANONYMOUS", "BYTES_PER_TOKEN", "Tenancy", "estimate_prompt_tokens", "requested_model"]

@@ -1,7 +1,7 @@
 """Admission and settlement of a tenant's requests: per process, or shared through Redis.
 
 :meth:`Limiter.admit` is the one hook every surface calls before it admits a request (chat,
-completions and Responses in sieproxy/generation.py; any other surface the same way): it
+completions and Responses in sieproxy/front/intake.py; any other surface the same way): it
 refuses with ``core.quota.RateLimited`` (429) or returns a :class:`Lease`, whose
 ``headers()`` go on the response and which is settled exactly once at the request's end
 (:meth:`Limiter.settle`, callable from synchronous code: the settlement runs in the limiter's
@@ -29,7 +29,7 @@ from typing import Any
 
 import trio
 
-from ..core.quota import Decision, Limits, RateLimited, TenantCounters, admit, rate_headers, settle
+from ..core.tenancy.quota import Decision, Limits, RateLimited, TenantCounters, admit, rate_headers, settle
 from .redis_store import RedisCounters
 
 __all__ = ["REDIS_TIMEOUT", "RETRY_AFTER_DOWN", "Lease", "Limiter"]

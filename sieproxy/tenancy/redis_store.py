@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..core.quota import Decision, Limits
+from ..core.tenancy.quota import Decision, Limits
 
 __all__ = [
     "ADMIT_LUA",

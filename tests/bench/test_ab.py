@@ -36,7 +36,7 @@ def test_a_revisions_tree_holds_that_revisions_files(head_tree: os.PathLike[str]
     tree = os.fspath(head_tree)
     sha = _git("rev-parse", "HEAD").strip()
     assert os.path.basename(tree) == sha[:12]
-    for path in ("sieproxy/app.py", "sieproxy/core/merger.py", "pyproject.toml"):
+    for path in ("sieproxy/front/app.py", "sieproxy/core/shaping/merger.py", "pyproject.toml"):
         with open(os.path.join(tree, path)) as f:
             assert f.read() == _git("show", f"HEAD:{path}"), path
     stamp = os.stat(os.path.join(tree, "sieproxy", "__init__.py")).st_mtime_ns

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sieproxy.core.events import ToolCallDelta
+from sieproxy.core.shaping.events import ToolCallDelta
 
 # Tiny stand-ins for the chat-semantics parsers (single-character tags, so no hold-back):
 # text inside [ ... ] is reasoning; text inside { ... } is one call to `fn`.

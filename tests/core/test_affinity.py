@@ -1,4 +1,4 @@
-"""Prefix affinity keys (sieproxy.core.affinity) and their computation in the chat plan."""
+"""Prefix affinity keys (sieproxy.core.planning.affinity) and their computation in the chat plan."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from sieproxy.core.affinity import PREFIX_BLOCK, opening_end, prefix_key
-from sieproxy.core.pipeline import build_chat, build_completion, build_responses
-from sieproxy.core.profile import ModelProfile
+from sieproxy.core.planning.affinity import PREFIX_BLOCK, opening_end, prefix_key
+from sieproxy.core.planning.pipeline import build_chat, build_completion, build_responses
+from sieproxy.core.request.profile import ModelProfile
 
 from .test_plan import QWEN_TEMPLATE
 

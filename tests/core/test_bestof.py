@@ -6,7 +6,7 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sieproxy.core.bestof import beats, cannot_win, rank
+from sieproxy.core.shaping.bestof import beats, cannot_win, rank
 
 
 def test_rank_desc_with_index_ties() -> None:

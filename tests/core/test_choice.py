@@ -2,13 +2,13 @@ from __future__ import annotations
 
 import pytest
 
-from sieproxy.core.choice import (
+from sieproxy.core.shaping.choice import (
     ChoicePhase,
     ChoiceState,
     ChoiceStateError,
     openai_finish_reason,
 )
-from sieproxy.core.events import (
+from sieproxy.core.shaping.events import (
     CandidateDelta,
     CandidateFinish,
     ChoiceDelta,
@@ -182,7 +182,7 @@ def test_length_after_complete_calls_is_tool_calls() -> None:
 def test_forced_call_list_cut_by_length_is_length_with_the_complete_calls() -> None:
     from functools import partial
 
-    from sieproxy.core.toolparse import make_tool_parser
+    from sieproxy.core.shaping.toolparse import make_tool_parser
 
     tools = partial(make_tool_parser, "json_array", tool_names={"get_weather"})
     c = ChoiceState(0, tools=tools)  # type: ignore[arg-type]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sieproxy.core.discovery import Endpoint, diff, host_port, replicas, with_address
+from sieproxy.core.upstream.discovery import Endpoint, diff, host_port, replicas, with_address
 
 
 def test_with_address_keeps_scheme_port_and_path() -> None:

@@ -20,9 +20,9 @@ from hypothesis import given, seed
 from hypothesis import strategies as st
 
 from sieproxy.core.errors import EngineTruncated, GatewayError
-from sieproxy.core.merger import ChatStream, CompletionStream
-from sieproxy.core.sglang import Express, GenerateReader
-from sieproxy.core.sse import SSEDecoder
+from sieproxy.core.shaping.merger import ChatStream, CompletionStream
+from sieproxy.core.upstream.sglang import Express, GenerateReader
+from sieproxy.core.upstream.sse import SSEDecoder
 from tests.core.test_fuzz_core import FUZZ, SEED
 from tests.core.test_merger import CREATED, chat, completion, decode
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sieproxy.core.fairshare import FairShare, Ticket
+from sieproxy.core.tenancy.fairshare import FairShare, Ticket
 
 
 def order(fs: FairShare, waiting: list[tuple[Ticket, int, float]], now: float = 0.0) -> list[int]:

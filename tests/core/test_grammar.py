@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from sieproxy.core.errors import InvalidRequest
-from sieproxy.core.grammar import (
+from sieproxy.core.planning.grammar import (
     JSON_ARRAY_PARSER,
     RESPONSE_FORMATS_HEADER,
     json_array_tool_schema,
@@ -22,10 +22,10 @@ from sieproxy.core.grammar import (
     with_schema_in_prompt,
     with_tools_in_prompt,
 )
-from sieproxy.core.profile import ModelProfile
-from sieproxy.core.request import ValidChat
-from sieproxy.core.schemas import ChatCompletionRequest
-from sieproxy.core.template import messages_for_template
+from sieproxy.core.request.profile import ModelProfile
+from sieproxy.core.request.valid import ValidChat
+from sieproxy.core.request.schemas import ChatCompletionRequest
+from sieproxy.core.planning.template import messages_for_template
 
 WEATHER = {
     "type": "function",
@@ -202,7 +202,7 @@ def test_required_is_bounded_by_the_profile_cap_and_a_named_function_by_one() ->
 
 def test_json_array_schema_is_valid_json_schema_and_means_what_it_says() -> None:
     jsonschema = pytest.importorskip("jsonschema")
-    from sieproxy.core.schemas import Tool
+    from sieproxy.core.request.schemas import Tool
 
     tools = [msgspec.convert(t, Tool) for t in (WEATHER, NOARGS, WITH_DEFS)]
     schema = json_array_tool_schema(tools, parallel=True)
@@ -222,7 +222,7 @@ def test_json_array_schema_is_valid_json_schema_and_means_what_it_says() -> None
 
 
 def test_conflicting_defs_are_refused() -> None:
-    from sieproxy.core.schemas import Tool
+    from sieproxy.core.request.schemas import Tool
 
     other = json.loads(json.dumps(WITH_DEFS))
     other["function"]["name"] = "book2"
@@ -309,7 +309,7 @@ def test_xgrammar_compiles_and_accepts_the_structural_tag(profile: ModelProfile)
     from xgrammar.structural_tag import StructuralTagItem
     from xgrammar.testing import _is_grammar_accept_string
 
-    from sieproxy.core.schemas import Tool
+    from sieproxy.core.request.schemas import Tool
 
     tools = [msgspec.convert(t, Tool) for t in (WEATHER, WITH_DEFS)]
     assert profile.tool_parser is not None
@@ -468,7 +468,7 @@ def test_tools_section_text() -> None:
     ],
 )
 def test_tools_section_example_follows_the_parser(parser: str, example: str) -> None:
-    from sieproxy.core.toolparse import make_tool_parser, parse_all
+    from sieproxy.core.shaping.toolparse import make_tool_parser, parse_all
 
     text = tools_section([NOARGS], parser)
     assert text.endswith("in this format:\n" + example)

@@ -1,4 +1,4 @@
-"""The sans-IO HTTP/1.1 response framing of the upstream client (sieproxy/core/http1.py).
+"""The sans-IO HTTP/1.1 response framing of the upstream client (sieproxy/core/upstream/http1.py).
 
 Every well-formed response is fed split at every byte (and as one piece, and byte by byte), and
 must give the same head, the same body bytes and the same keep-alive verdict; every malformed
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, seed
 from hypothesis import strategies as st
 
-from sieproxy.core.http1 import FramingError, ResponseParser, request_head
+from sieproxy.core.upstream.http1 import FramingError, ResponseParser, request_head
 from tests.core.test_fuzz_core import FUZZ, SEED
 
 SSE = b'data: {"text":"a"}\n\ndata: {"text":"ab"}\n\ndata: [DONE]\n\n'

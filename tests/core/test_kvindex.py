@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from sieproxy.core.kvindex import (
+from sieproxy.core.routing.kvindex import (
     APPROX_BLOCK,
     AllBlocksCleared,
     ApproxIndex,
@@ -320,7 +320,7 @@ def test_undecodable_batch_is_a_loss() -> None:
 
 
 def test_too_many_held_batches_give_up_waiting() -> None:
-    from sieproxy.core import kvindex
+    from sieproxy.core.routing import kvindex
     st = EventStream(capacity_tokens=10**9)
     feed(st, 0, ["AllBlocksCleared"])
     assert feed(st, 2, ["AllBlocksCleared"]) == 1

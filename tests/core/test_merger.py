@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from sieproxy.core.errors import EngineTimeout, InvalidRequest
-from sieproxy.core.events import (
+from sieproxy.core.shaping.events import (
     CandidateDelta,
     CandidateFinish,
     ChoiceDelta,
@@ -16,7 +16,7 @@ from sieproxy.core.events import (
     ToolCallDelta,
     TopLogprob,
 )
-from sieproxy.core.merger import (
+from sieproxy.core.shaping.merger import (
     ChatCollector,
     ChatStream,
     CompletionCollector,
@@ -24,10 +24,10 @@ from sieproxy.core.merger import (
     MergerError,
     StreamPhase,
 )
-from sieproxy.core.request import ValidChat, ValidCompletion
-from sieproxy.core.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
-from sieproxy.core.sglang import GenerateReader
-from sieproxy.core.sse import SSEDecoder
+from sieproxy.core.request.valid import ValidChat, ValidCompletion
+from sieproxy.core.request.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from sieproxy.core.upstream.sglang import GenerateReader
+from sieproxy.core.upstream.sse import SSEDecoder
 
 # Tiny stand-ins for the chat-semantics parsers (single-character tags, so no hold-back):
 # text inside [ ... ] is reasoning; text inside { ... } is one call to `fn`.

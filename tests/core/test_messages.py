@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from sieproxy.core.aliases import alias_conflict, resolve_alias
+from sieproxy.core.request.aliases import alias_conflict, resolve_alias
 from sieproxy.core.errors import (
     AuthenticationError,
     EngineTimeout,
@@ -17,12 +17,12 @@ from sieproxy.core.errors import (
     RequestError,
     ServiceUnavailable,
 )
-from sieproxy.core.events import CandidateDelta, CandidateFinish
-from sieproxy.core.messages import PathMap, decode_messages
-from sieproxy.core.messages_out import CountShaper, MessagesShaper, error_reply
-from sieproxy.core.pipeline import build_count_tokens, build_messages, find_profile
-from sieproxy.core.profile import ModelProfile
-from sieproxy.core.schemas import NamedToolChoice
+from sieproxy.core.shaping.events import CandidateDelta, CandidateFinish
+from sieproxy.surfaces.messages.request import PathMap, decode_messages
+from sieproxy.surfaces.messages.shaper import CountShaper, MessagesShaper, error_reply
+from sieproxy.core.planning.pipeline import build_count_tokens, build_messages, find_profile
+from sieproxy.core.request.profile import ModelProfile
+from sieproxy.core.request.schemas import NamedToolChoice
 from tests.contract_cases import PROFILES, Case, body_bytes
 from tests.messages_cases import MESSAGES_CASES, claude_code_body
 

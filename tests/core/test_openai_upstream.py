@@ -14,9 +14,9 @@ from sieproxy.core.errors import (
     EngineTruncated,
     InvalidRequest,
 )
-from sieproxy.core.events import CandidateDelta, CandidateFinish
-from sieproxy.core.openai_upstream import OPENAI
-from sieproxy.core.protocol import protocol_for
+from sieproxy.core.shaping.events import CandidateDelta, CandidateFinish
+from sieproxy.core.upstream.openai import OPENAI
+from sieproxy.core.upstream.protocol import protocol_for
 
 
 def sse(obj: Any) -> bytes:

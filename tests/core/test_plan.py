@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from sieproxy.core.errors import InvalidRequest
-from sieproxy.core.plan import (
+from sieproxy.core.planning.plan import (
     MAX_STOP,
     ChatPlan,
     candidate_seed,
@@ -17,9 +17,9 @@ from sieproxy.core.plan import (
     plan_chat,
     plan_completion,
 )
-from sieproxy.core.profile import ModelProfile
-from sieproxy.core.request import ImageInput, ValidChat, ValidCompletion
-from sieproxy.core.schemas import ChatCompletionRequest, CompletionRequest
+from sieproxy.core.request.profile import ModelProfile
+from sieproxy.core.request.valid import ImageInput, ValidChat, ValidCompletion
+from sieproxy.core.request.schemas import ChatCompletionRequest, CompletionRequest
 
 QWEN_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

@@ -17,10 +17,10 @@ import pytest
 import trio
 
 from sieproxy.core.errors import InvalidRequest, ServiceUnavailable
-from sieproxy.engine_client import EngineClient, parse_load
-from sieproxy.pool import ModelPool, Replica, RouteHints
-from sieproxy.pool import _score as pool_score
-from sieproxy.settings import EngineSpec, GatewaySettings
+from sieproxy.fleet.client import EngineClient, parse_load
+from sieproxy.fleet.pool import ModelPool, Replica, RouteHints
+from sieproxy.fleet.pool import _score as pool_score
+from sieproxy.settings.load import EngineSpec, GatewaySettings
 
 MODEL = "m"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sieproxy.core.prefix_route import Candidate, min_match, predicted_hit, rank
+from sieproxy.core.routing.prefix_route import Candidate, min_match, predicted_hit, rank
 
 KW = {"threshold": 1000, "min_tokens": 64}
 

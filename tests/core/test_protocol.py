@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from sieproxy.core import sglang
+from sieproxy.core.upstream import sglang
 from sieproxy.core.errors import EngineMalformed, EngineTruncated
-from sieproxy.core.events import CandidateDelta, CandidateFinish
-from sieproxy.core.merger import ChatStream
-from sieproxy.core.protocol import PROTOCOLS, protocol_for
-from sieproxy.core.sse import SSEDecoder
+from sieproxy.core.shaping.events import CandidateDelta, CandidateFinish
+from sieproxy.core.shaping.merger import ChatStream
+from sieproxy.core.upstream.protocol import PROTOCOLS, protocol_for
+from sieproxy.core.upstream.sse import SSEDecoder
 
 from .test_merger import chat
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sieproxy.core.errors import InvalidRequest
-from sieproxy.core.quota import (
+from sieproxy.core.tenancy.quota import (
     Limits,
     RateLimited,
     TenantCounters,

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sieproxy.core.reasoning import REASONING_PARSERS, ThinkParser, make_reasoning_parser
+from sieproxy.core.shaping.reasoning import REASONING_PARSERS, ThinkParser, make_reasoning_parser
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "outputs"
 CASES: dict[str, dict[str, Any]] = {

@@ -10,12 +10,12 @@ import msgspec
 import pytest
 
 from sieproxy.core.errors import EngineTimeout, InternalError, RequestError
-from sieproxy.core.events import CandidateDelta, CandidateFinish
-from sieproxy.core.pipeline import build_responses
-from sieproxy.core.profile import ModelProfile
-from sieproxy.core.responses import PathMap, decode_responses
-from sieproxy.core.responses_out import ResponsesShaper
-from sieproxy.core.schemas import NamedToolChoice
+from sieproxy.core.shaping.events import CandidateDelta, CandidateFinish
+from sieproxy.core.planning.pipeline import build_responses
+from sieproxy.core.request.profile import ModelProfile
+from sieproxy.surfaces.responses.request import PathMap, decode_responses
+from sieproxy.surfaces.responses.shaper import ResponsesShaper
+from sieproxy.core.request.schemas import NamedToolChoice
 from tests.contract_cases import PROFILES, Case, body_bytes
 from tests.responses_cases import RESPONSES_CASES
 

@@ -1,4 +1,4 @@
-"""The retry table (sieproxy/core/retry.py): every failure kind, its moves and their bounds, the
+"""The retry table (sieproxy/core/upstream/retry.py): every failure kind, its moves and their bounds, the
 jittered backoff, and Retry-After in both of its forms."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from sieproxy.core.errors import (
     GatewayError,
     InvalidRequest,
 )
-from sieproxy.core.refusal import Refusal
-from sieproxy.core.retry import (
+from sieproxy.core.request.refusal import Refusal
+from sieproxy.core.upstream.retry import (
     POLICY,
     FirstTokenTimeout,
     Tried,

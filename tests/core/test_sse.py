@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sieproxy.core.errors import EngineMalformed
-from sieproxy.core.sse import DONE_FRAME, SSEDecoder, frame
+from sieproxy.core.upstream.sse import DONE_FRAME, SSEDecoder, frame
 
 
 def decode_split(data: bytes, cuts: tuple[int, ...], max_line: int = 1 << 20) -> list[str]:

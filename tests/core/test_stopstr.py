@@ -5,7 +5,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sieproxy.core.stopstr import StopMatcher
+from sieproxy.core.shaping.stopstr import StopMatcher
 
 
 def reference(text: str, stops: list[str]) -> tuple[str, bool]:

@@ -11,10 +11,10 @@ import msgspec
 import pytest
 
 from sieproxy.core.errors import InternalError, InvalidRequest
-from sieproxy.core.profile import ModelProfile
-from sieproxy.core.request import ValidChat
-from sieproxy.core.schemas import ChatCompletionRequest
-from sieproxy.core.template import (
+from sieproxy.core.request.profile import ModelProfile
+from sieproxy.core.request.valid import ValidChat
+from sieproxy.core.request.schemas import ChatCompletionRequest
+from sieproxy.core.planning.template import (
     DEFAULT_IMAGE_PLACEHOLDER,
     check_template,
     messages_for_template,
@@ -394,7 +394,7 @@ def test_broken_template_source_is_an_internal_error() -> None:
 
 
 def test_compiled_once_per_source() -> None:
-    from sieproxy.core import template as mod
+    from sieproxy.core.planning import template as mod
 
     source = "{{ messages | length }} once"
     before = mod._compile.cache_info().misses

@@ -21,9 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sieproxy.core.events import ToolCallDelta
-from sieproxy.core.reasoning import make_reasoning_parser
-from sieproxy.core.toolparse import (
+from sieproxy.core.shaping.events import ToolCallDelta
+from sieproxy.core.shaping.reasoning import make_reasoning_parser
+from sieproxy.core.shaping.toolparse import (
     TOOL_PARSERS,
     HermesToolParser,
     JsonArrayToolParser,

@@ -11,8 +11,8 @@ from sieproxy.core.errors import (
     EngineStreamError,
     EngineTruncated,
 )
-from sieproxy.core.events import CandidateDelta, CandidateFinish
-from sieproxy.core.sglang import NEG_INF_LOGPROB, GenerateReader, parse_generate_response
+from sieproxy.core.shaping.events import CandidateDelta, CandidateFinish
+from sieproxy.core.upstream.sglang import NEG_INF_LOGPROB, GenerateReader, parse_generate_response
 
 
 def meta(**kw: Any) -> dict[str, Any]:

@@ -25,8 +25,8 @@ pytest.importorskip("torch")
 pytest.importorskip("xgrammar")
 import trio  # noqa: E402
 
-from sieproxy.serve import build_app, serve  # noqa: E402
-from sieproxy.settings import GatewaySettings, ModelSettings, Settings  # noqa: E402
+from sieproxy.operations.serve import build_app, serve  # noqa: E402
+from sieproxy.settings.load import GatewaySettings, ModelSettings, Settings  # noqa: E402
 from tests.procs import stop_process  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

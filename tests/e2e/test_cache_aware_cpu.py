@@ -21,9 +21,9 @@ pytest.importorskip("torch")
 pytest.importorskip("xgrammar")
 import trio  # noqa: E402
 
-from sieproxy.cache_route import CacheAwarePolicy  # noqa: E402
-from sieproxy.serve import build_app, serve  # noqa: E402
-from sieproxy.settings import GatewaySettings, ModelSettings, Settings  # noqa: E402
+from sieproxy.fleet.cache_route import CacheAwarePolicy  # noqa: E402
+from sieproxy.operations.serve import build_app, serve  # noqa: E402
+from sieproxy.settings.load import GatewaySettings, ModelSettings, Settings  # noqa: E402
 from tests.procs import stop_process  # noqa: E402
 
 pytestmark = pytest.mark.model

@@ -30,8 +30,8 @@ openai = pytest.importorskip("openai")
 import trio  # noqa: E402
 
 from engine.cpu.model_store import default_gguf_path, resolve_model  # noqa: E402
-from sieproxy.serve import build_app, serve  # noqa: E402
-from sieproxy.settings import EngineSpec, GatewaySettings, ModelSettings, Settings  # noqa: E402
+from sieproxy.operations.serve import build_app, serve  # noqa: E402
+from sieproxy.settings.load import EngineSpec, GatewaySettings, ModelSettings, Settings  # noqa: E402
 from tests.procs import free_port, stop_process  # noqa: E402
 
 pytestmark = pytest.mark.model

@@ -28,7 +28,7 @@ import openai
 import pytest
 import trio
 
-from sieproxy.core.profile import ModelProfile
+from sieproxy.core.request.profile import ModelProfile
 
 from .conftest import MODEL, CpuEngine, CpuGateway, cpu_gateway
 

@@ -313,7 +313,7 @@ def test_events_let_an_index_follow_the_cache_exactly() -> None:
 
     import msgspec
 
-    from sieproxy.core.kvindex import BlockIndex, chain_keys, decode_batch, matched_blocks
+    from sieproxy.core.routing.kvindex import BlockIndex, chain_keys, decode_batch, matched_blocks
 
     pool = KVPool(SMALL, 1)
     cache = PrefixCache(SMALL, max_tokens=24, block_size=4)  # 6 blocks: evictions happen

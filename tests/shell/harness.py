@@ -14,11 +14,11 @@ import httpx
 import pytest
 import trio
 
-import sieproxy.serve
+import sieproxy.operations.serve
 from engine.fake import FakeEngine
-from sieproxy.app import GatewayState
-from sieproxy.serve import build_app, hypercorn_config, serve
-from sieproxy.settings import (
+from sieproxy.front.app import GatewayState
+from sieproxy.operations.serve import build_app, hypercorn_config, serve
+from sieproxy.settings.load import (
     EngineSpec,
     GatewaySettings,
     ModelSettings,
@@ -90,7 +90,7 @@ def short_keep_alive(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
         cfg.keep_alive_timeout = seconds
         return cfg
 
-    monkeypatch.setattr(sieproxy.serve, "hypercorn_config", config)
+    monkeypatch.setattr(sieproxy.operations.serve, "hypercorn_config", config)
 
 
 def connection_tasks() -> int:

@@ -21,8 +21,8 @@ import trio
 
 from engine.fake import DefaultScript, FakeEngine
 from engine.fake_cache import FakePrefixCache
-from sieproxy.cache_route import CacheAwarePolicy
-from sieproxy.settings import Settings
+from sieproxy.fleet.cache_route import CacheAwarePolicy
+from sieproxy.settings.load import Settings
 
 from .harness import MODEL, TEMPLATE, Gateway, another_gateway, running_gateway
 from .test_health import chat, served_by

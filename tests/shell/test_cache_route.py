@@ -11,11 +11,11 @@ from typing import Any
 import msgspec
 import trio
 
-from sieproxy.cache_route import CacheAwarePolicy, Route
-from sieproxy.core.affinity import prefix_key
-from sieproxy.core.kvindex import EventStream
-from sieproxy.pool import ModelPool, Replica, RouteHints
-from sieproxy.settings import EngineSpec, GatewaySettings, ModelSettings
+from sieproxy.fleet.cache_route import CacheAwarePolicy, Route
+from sieproxy.core.planning.affinity import prefix_key
+from sieproxy.core.routing.kvindex import EventStream
+from sieproxy.fleet.pool import ModelPool, Replica, RouteHints
+from sieproxy.settings.load import EngineSpec, GatewaySettings, ModelSettings
 
 MODEL = "m"
 URLS = [f"http://10.0.0.{i}:3000" for i in range(4)]
@@ -193,7 +193,7 @@ async def test_untokenizable_requests_keep_prefix_routing() -> None:
 
 
 def test_endpoints_an_engine_advertises() -> None:
-    from sieproxy.cache_route import advertised_endpoints as adv
+    from sieproxy.fleet.cache_route import advertised_endpoints as adv
     url = "http://10.1.2.3:30000"
     assert adv(url, '{"publisher": "zmq", "endpoint": "tcp://*:5557", '
                     '"replay_endpoint": "tcp://*:5558"}') == ("tcp://10.1.2.3:5557",

@@ -23,7 +23,7 @@ import pytest
 import trio
 
 from engine.fake import Call, FakeEngine, Plan
-from sieproxy.settings import Settings
+from sieproxy.settings.load import Settings
 
 from .harness import MODEL, running_gateway
 

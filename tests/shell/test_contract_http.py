@@ -22,7 +22,7 @@ import openai
 import trio
 
 from engine.fake import DefaultScript, FakeEngine
-from sieproxy.settings import ModelSettings, Settings
+from sieproxy.settings.load import ModelSettings, Settings
 from tests.contract_cases import CASES, CHAT_CASES, COMPLETIONS_CASES, Case, body_bytes
 
 from .harness import TEMPLATE, Gateway, running_gateway, sse_events

@@ -1,9 +1,9 @@
-"""Engine discovery (sieproxy/discovery.py): a DNS name whose addresses come and go adds and
+"""Engine discovery (sieproxy/fleet/discovery.py): a DNS name whose addresses come and go adds and
 drains replicas without dropping a stream; an engines file's change applies; a reload keeps
 what the names resolved to.
 
 The fake engines listen on one port at different loopback addresses (127.0.0.1, .2, .3), and
-the resolver is scripted (``sieproxy.discovery.resolve`` replaced), so a name "resolves" to any
+the resolver is scripted (``sieproxy.fleet.discovery.resolve`` replaced), so a name "resolves" to any
 subset of them.
 """
 
@@ -20,11 +20,11 @@ import httpx
 import pytest
 import trio
 
-import sieproxy.discovery
+import sieproxy.fleet.discovery
 from engine.fake import Call, DefaultScript, FakeEngine, Plan
-from sieproxy.discovery import NameGone
-from sieproxy.serve import build_app, reload_settings, serve
-from sieproxy.settings import EngineSpec, Settings
+from sieproxy.fleet.discovery import NameGone
+from sieproxy.operations.serve import build_app, reload_settings, serve
+from sieproxy.settings.load import EngineSpec, Settings
 
 from .harness import MODEL, TEMPLATE, Gateway, least_loaded, settings_for, sse_events
 from .test_health import chat, served_by, wait_until
@@ -115,7 +115,7 @@ async def test_dns_name_gains_and_loses_addresses_without_dropping_a_stream(
 ) -> None:
     dns = Dns()
     dns.answers[NAME] = [HOSTS[0]]
-    monkeypatch.setattr(sieproxy.discovery, "resolve", dns)
+    monkeypatch.setattr(sieproxy.fleet.discovery, "resolve", dns)
     held = Held(40)
     engines = [FakeEngine(held_for("long", held)), FakeEngine(held_for("long", held)),
                FakeEngine(healthy=False)]  # fmt: skip
@@ -183,7 +183,7 @@ async def test_a_name_gone_drains_and_a_failing_resolver_keeps_the_list(
 ) -> None:
     dns = Dns()
     dns.answers[NAME] = HOSTS[:2]
-    monkeypatch.setattr(sieproxy.discovery, "resolve", dns)
+    monkeypatch.setattr(sieproxy.fleet.discovery, "resolve", dns)
     with trio.fail_after(30):
         async with fleet([FakeEngine(), FakeEngine()], dns_entry()) as gw:
             await wait_until(lambda: len(urls(gw)) == 2)
@@ -222,7 +222,7 @@ async def test_engines_file_change_applies(tmp_path: Path) -> None:
             assert served_by(gw, "f1") == [1]
 
             path.write_text("not a url\n")  # a bad file keeps the last list
-            await trio.sleep(2.5 * sieproxy.discovery.FILE_POLL)
+            await trio.sleep(2.5 * sieproxy.fleet.discovery.FILE_POLL)
             assert urls(gw) == [f"http://127.0.0.2:{port}"]
 
 
@@ -231,7 +231,7 @@ async def test_reload_keeps_resolved_addresses(
 ) -> None:
     dns = Dns()
     dns.answers[NAME] = HOSTS[:2]
-    monkeypatch.setattr(sieproxy.discovery, "resolve", dns)
+    monkeypatch.setattr(sieproxy.fleet.discovery, "resolve", dns)
     with trio.fail_after(30):
         async with fleet([FakeEngine(), FakeEngine()], dns_entry(interval=60)) as gw:
             port = gw.engines[0].port
@@ -266,7 +266,7 @@ async def test_a_reload_during_a_resolution_drops_the_entry_cleanly(
             await release.wait()
         return await dns(host, port)
 
-    monkeypatch.setattr(sieproxy.discovery, "resolve", slow)
+    monkeypatch.setattr(sieproxy.fleet.discovery, "resolve", slow)
     with trio.fail_after(30):
         async with fleet([FakeEngine(), FakeEngine()], dns_entry()) as gw:
             port = gw.engines[0].port

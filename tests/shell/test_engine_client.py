@@ -17,10 +17,10 @@ import pytest
 import trio
 import trustme
 
-from sieproxy import engine_client
+from sieproxy.fleet import client as engine_client
 from sieproxy.core.errors import EngineHTTPError, EngineTruncated, EngineUnreachable
-from sieproxy.engine_client import EngineClient
-from sieproxy.settings import GatewaySettings
+from sieproxy.fleet.client import EngineClient
+from sieproxy.settings.load import GatewaySettings
 
 SSE = b'data: {"text":"a","meta_info":{}}\n\ndata: [DONE]\n\n'
 CHUNKED_OK = (

@@ -11,8 +11,8 @@ import pytest
 import trio
 
 from engine.fake import FakeEngine, Fault, Plan
-from sieproxy.core.refusal import RequestFields, classify_error, explain
-from sieproxy.core.upstream_status import breaker_counts
+from sieproxy.core.request.refusal import RequestFields, classify_error, explain
+from sieproxy.core.upstream.status import breaker_counts
 
 from .harness import MODEL, running_gateway
 

@@ -23,9 +23,9 @@ import httpx
 import pytest
 import trio
 
-from sieproxy.child import supervise_child
-from sieproxy.serve import build_app, serve
-from sieproxy.settings import load_settings
+from sieproxy.operations.child import supervise_child
+from sieproxy.operations.serve import build_app, serve
+from sieproxy.settings.load import load_settings
 from tests.procs import free_port
 
 

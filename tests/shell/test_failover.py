@@ -1,5 +1,5 @@
 """The fault matrix, failover part: engine failures the gateway recovers from before the first
-byte (the retry table, sieproxy/core/retry.py; sieproxy/failover.py), through both upstream
+byte (the retry table, sieproxy/core/upstream/retry.py; sieproxy/relay/failover.py), through both upstream
 protocols.
 
 Each case states what the client sees, how many upstream attempts were made (the fake engine's
@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from engine.fake import Call, DefaultScript, FakeEngine, Fault, Plan
-from sieproxy.settings import Settings
+from sieproxy.settings.load import Settings
 
 from .harness import MODEL, running_gateway, sse_events
 from .test_fallback import OTHER, two_models

@@ -1,4 +1,4 @@
-"""Fallbacks before the first byte (sieproxy/fallback.py): another model or another pool takes
+"""Fallbacks before the first byte (sieproxy/relay/fallback.py): another model or another pool takes
 a request its model cannot serve, never once a byte of the answer has gone out.
 
 Two scripted fake engines behind a real gateway: engine 0 serves ``MODEL``, engine 1 serves
@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from engine.fake import DefaultScript, FakeEngine, Fault, Plan, SequenceScript
-from sieproxy.settings import EngineSpec, FallbackSpec, Settings
+from sieproxy.settings.load import EngineSpec, FallbackSpec, Settings
 
 from .harness import MODEL, Gateway, running_gateway, sse_events
 from .test_health import Switch, chat, gen_rids, sample, scrape, served_by, wait_until

@@ -35,7 +35,7 @@ import pytest
 import trio
 
 from engine.fake import Call, DefaultScript, FakeEngine, Fault, FaultKind, Plan, abort_finish
-from sieproxy.settings import EngineSpec, Settings
+from sieproxy.settings.load import EngineSpec, Settings
 
 from .harness import MODEL, PROTOCOL_MODES, Gateway, host_port, running_gateway, sse_events
 

@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine._http import HTTPConnection, HTTPRequest
 from engine.fake import Call, DefaultScript, FakeEngine, Fault, Plan
-from sieproxy.pool import Replica
-from sieproxy.settings import Settings
+from sieproxy.fleet.pool import Replica
+from sieproxy.settings.load import Settings
 
 from .harness import MODEL, Gateway, least_loaded, running_gateway
 
@@ -396,9 +396,9 @@ async def test_embedded_engine_must_report_its_launch_token(
 ) -> None:
     """A process answering on the embedded engine's port without the gateway's per-launch
     token (another instance's engine, say) is never used; the engine reporting it is."""
-    from sieproxy.engine_client import EngineClient
-    from sieproxy.pool import ModelPool
-    from sieproxy.settings import EngineSpec, GatewaySettings
+    from sieproxy.fleet.client import EngineClient
+    from sieproxy.fleet.pool import ModelPool
+    from sieproxy.settings.load import EngineSpec, GatewaySettings
 
     caplog.set_level(logging.INFO, logger="sieproxy.pool")
     monkeypatch.delenv("SIEPROXY_ENGINE_LAUNCH_TOKEN", raising=False)

@@ -19,10 +19,10 @@ import httpx
 import pytest
 import trio
 
-import sieproxy.serve
+import sieproxy.operations.serve
 from engine.fake import DefaultScript, FakeEngine
-from sieproxy.app import create_app
-from sieproxy.serve import hypercorn_config
+from sieproxy.front.app import create_app
+from sieproxy.operations.serve import hypercorn_config
 
 from .harness import MODEL, Gateway, host_port, running_gateway, short_keep_alive, sse_events
 
@@ -328,8 +328,8 @@ def test_body_and_header_timeouts_are_hard_coded() -> None:
     """Documents the defaults the slowloris tests below have to patch: BODY_TIMEOUT is set by
     app.create_app (60 s) and the header wait is Hypercorn's keep_alive_timeout (75 s, set in
     serve.hypercorn_config); neither is a GatewaySettings field."""
-    from sieproxy.serve import build_state
-    from sieproxy.settings import GatewaySettings, ModelSettings, Settings
+    from sieproxy.operations.serve import build_state
+    from sieproxy.settings.load import GatewaySettings, ModelSettings, Settings
 
     s = Settings(models={MODEL: ModelSettings(engines=["http://127.0.0.1:9"], chat_template="x")})
     app = create_app(build_state(s))
@@ -345,7 +345,7 @@ def short_timeouts(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         app.config["BODY_TIMEOUT"] = 2
         return app
 
-    monkeypatch.setattr(sieproxy.serve, "create_app", app_with_short_body_timeout)
+    monkeypatch.setattr(sieproxy.operations.serve, "create_app", app_with_short_body_timeout)
     short_keep_alive(monkeypatch, 2)
     yield
 

@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from engine.fake import FakeEngine
-from sieproxy.settings import Settings
+from sieproxy.settings.load import Settings
 
 from .harness import (
     MODEL,
@@ -560,7 +560,7 @@ async def test_generation_requests_skip_quarts_request_handling(
 ) -> None:
     """POST on the two generation routes is answered from the ASGI scope (app.py), errors
     included; every other request still goes through Quart."""
-    from sieproxy.app import GatewayApp
+    from sieproxy.front.app import GatewayApp
 
     seen: list[str] = []
     handle = GatewayApp.handle_request
@@ -592,15 +592,15 @@ async def test_a_mounted_gateway_serves_generation_under_its_root_path(
 ) -> None:
     """Under an ASGI ``root_path`` (``hypercorn --root-path``) the generation routes are matched
     as Quart matches its own: below the root path, and 404 outside it."""
-    import sieproxy.serve
-    from sieproxy.serve import hypercorn_config
+    import sieproxy.operations.serve
+    from sieproxy.operations.serve import hypercorn_config
 
     def mounted(settings: Settings) -> Any:
         cfg = hypercorn_config(settings)
         cfg.root_path = "/api"
         return cfg
 
-    monkeypatch.setattr(sieproxy.serve, "hypercorn_config", mounted)
+    monkeypatch.setattr(sieproxy.operations.serve, "hypercorn_config", mounted)
     async with running_gateway(wait_ready=False) as gw:
         with trio.fail_after(20):
             while (await gw.client.get("/api/readyz")).status_code != 200:
@@ -617,12 +617,12 @@ async def test_a_mounted_gateway_serves_generation_under_its_root_path(
 async def test_an_unexpected_failure_before_the_response_is_a_500_envelope(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import sieproxy.generation
+    import sieproxy.front.intake
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a bug in planning")
 
-    monkeypatch.setattr(sieproxy.generation, "build_chat", broken)
+    monkeypatch.setattr(sieproxy.front.intake, "build_chat", broken)
     caplog.set_level("INFO", logger="sieproxy.access")
 
     def log_on(settings: Settings) -> None:

@@ -1,4 +1,4 @@
-"""sieproxy.hypercorn_io: the direct socket write for Hypercorn's Trio worker.
+"""sieproxy.front.hypercorn_io: the direct socket write for Hypercorn's Trio worker.
 
 Checked on a socket pair with the real Hypercorn ``TCPServer`` underneath: bytes of concurrent
 writers never interleave or reorder, the rest of a partial write is sent even when its writer
@@ -31,9 +31,9 @@ from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer as HypercornTCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
-from sieproxy import hypercorn_io
-from sieproxy.hypercorn_io import TCPServer, asgi_side, connection
-from sieproxy.hypercorn_io import body as writers
+from sieproxy.front import hypercorn_io
+from sieproxy.front.hypercorn_io import TCPServer, asgi_side, connection
+from sieproxy.front.hypercorn_io import body as writers
 
 from .harness import (
     MODEL,
@@ -194,7 +194,7 @@ async def test_other_streams_take_hypercorns_path() -> None:
 
 async def test_serve_installs_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hypercorn_run, "TCPServer", HypercornTCPServer)
-    async with running_gateway() as gw:  # sieproxy.serve.serve
+    async with running_gateway() as gw:  # sieproxy.operations.serve.serve
         assert hypercorn_run.TCPServer is TCPServer  # type: ignore[attr-defined]
         r = await gw.chat(max_tokens=3, stream=True)
         assert r.status_code == 200 and sse_events(r.text)[-1] == "[DONE]"
@@ -212,7 +212,7 @@ def test_install_and_the_asgi_entry_point(monkeypatch: pytest.MonkeyPatch, tmp_p
     cfg = tmp_path / "g.toml"
     cfg.write_text('[models.m]\nengines = ["http://127.0.0.1:9"]\nchat_template = "x"\n')
     monkeypatch.setenv("SIEPROXY_CONFIG", str(cfg))
-    monkeypatch.setattr("sieproxy.serve.tune_gc", lambda: None)  # not in the test process
+    monkeypatch.setattr("sieproxy.operations.serve.tune_gc", lambda: None)  # not in the test process
     import sieproxy.asgi
 
     importlib.reload(sieproxy.asgi)

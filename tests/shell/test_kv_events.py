@@ -1,5 +1,5 @@
 """KV events over real ZMQ sockets: the engines' publisher (engine/kv_events.py, as the CPU and
-fake engines run it) and the gateway's subscriber (sieproxy/kv_events.py) feeding the index.
+fake engines run it) and the gateway's subscriber (sieproxy/fleet/kv_events.py) feeding the index.
 
 The publisher can lose batches (replayable or not), restart and fall silent; every test waits
 on the stream's own state (its last sequence, its counters), under ``fail_after``."""
@@ -13,8 +13,8 @@ import pytest
 import trio
 
 from engine.kv_events import KVEventPublisher, parse_kv_events_config
-from sieproxy.core.kvindex import EventStream, chain_keys, matched_blocks
-from sieproxy.kv_events import follow
+from sieproxy.core.routing.kvindex import EventStream, chain_keys, matched_blocks
+from sieproxy.fleet.kv_events import follow
 
 B = 4
 TOKS = list(range(1, 41))  # ten blocks

@@ -25,7 +25,7 @@ import pytest
 import trio
 
 from engine.fake import Call, DefaultScript, FakeEngine, Fault, Plan
-from sieproxy.settings import Settings
+from sieproxy.settings.load import Settings
 from tests.contract_cases import PNG_B64, Case, body_bytes
 from tests.messages_cases import MESSAGES_CASES, claude_code_body
 

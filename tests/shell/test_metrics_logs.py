@@ -13,7 +13,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.fake import Call, FakeEngine, Fault, Plan, default_tokens
-from sieproxy.settings import Settings
+from sieproxy.settings.load import Settings
 
 from .harness import MODEL, Gateway, host_port, running_gateway, sse_events
 

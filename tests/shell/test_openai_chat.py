@@ -14,9 +14,9 @@ import pytest
 import trio
 
 from engine.fake import Call, FakeEngine, Plan, default_tokens
-from sieproxy.settings import EngineSpec, ModelSettings, Settings
-from sieproxy.settings_check import check_settings
-from sieproxy.settings_schema import ConfigError
+from sieproxy.settings.load import EngineSpec, ModelSettings, Settings
+from sieproxy.settings.checks import check_settings
+from sieproxy.settings.schema import ConfigError
 
 from .harness import MODEL, TEMPLATE, running_gateway
 from .test_openai_sdk import MSGS, _client, _sync

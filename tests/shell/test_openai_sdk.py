@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from engine.fake import Call, DefaultScript, FakeEngine, Plan, default_tokens
-from sieproxy.settings import Settings
+from sieproxy.settings.load import Settings
 
 from .harness import MODEL, Gateway, running_gateway
 

@@ -13,7 +13,7 @@ import trio
 
 from engine.fake import Call, DefaultScript, FakeEngine, Plan, default_tokens
 from sieproxy.core.errors import EngineHTTPError
-from sieproxy.engine_client import EngineClient
+from sieproxy.fleet.client import EngineClient
 
 from .harness import MODEL, running_gateway
 from .test_openai_sdk import MSGS, _client, _sync

@@ -27,10 +27,10 @@ import trio
 import trio.testing
 
 from engine.fake import FakeEngine, Fault, Plan
-from sieproxy import hypercorn_io
-from sieproxy.core.sglang import Express
-from sieproxy.merge import Merger
-from sieproxy.pump import Pump
+from sieproxy.front import hypercorn_io
+from sieproxy.core.upstream.sglang import Express
+from sieproxy.relay.merge import Merger
+from sieproxy.relay.pump import Pump
 
 from .harness import MODEL, Gateway, host_port, running_gateway, sse_events
 from .test_faults import (

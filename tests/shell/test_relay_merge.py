@@ -19,14 +19,14 @@ import pytest
 import trio
 import trio.testing
 
-from sieproxy.attempt import Attempt
-from sieproxy.candidate import Candidate
+from sieproxy.relay.attempt import Attempt
+from sieproxy.relay.candidate import Candidate
 from sieproxy.core.errors import EngineTimeout, EngineTruncated
-from sieproxy.core.events import CandidateDelta, CandidateFinish
-from sieproxy.core.merger import ChatStream
-from sieproxy.pool import ModelPool, RouteHints
-from sieproxy.relay import GenerationBody, RequestStats, WaitTimer
-from sieproxy.settings import EngineSpec, GatewaySettings
+from sieproxy.core.shaping.events import CandidateDelta, CandidateFinish
+from sieproxy.core.shaping.merger import ChatStream
+from sieproxy.fleet.pool import ModelPool, RouteHints
+from sieproxy.relay.body import GenerationBody, RequestStats, WaitTimer
+from sieproxy.settings.load import EngineSpec, GatewaySettings
 from tests.core.test_merger import CREATED, chat, decode
 
 

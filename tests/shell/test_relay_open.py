@@ -16,11 +16,11 @@ import pytest
 import trio
 
 from engine.fake import FakeEngine, Plan
-from sieproxy.core.merger import ChatStream
-from sieproxy.engine_client import EngineClient, Exchange
-from sieproxy.pool import ModelPool, RouteHints
-from sieproxy.relay import GenerationBody, RequestStats
-from sieproxy.settings import EngineSpec, GatewaySettings
+from sieproxy.core.shaping.merger import ChatStream
+from sieproxy.fleet.client import EngineClient, Exchange
+from sieproxy.fleet.pool import ModelPool, RouteHints
+from sieproxy.relay.body import GenerationBody, RequestStats
+from sieproxy.settings.load import EngineSpec, GatewaySettings
 from tests.core.test_merger import CREATED, chat, decode
 from tests.engine.test_supervisor import free_port
 

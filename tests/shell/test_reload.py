@@ -12,9 +12,9 @@ import pytest
 import trio
 
 from engine.fake import FakeEngine
-from sieproxy.lifecycle import reload_on_sighup
-from sieproxy.serve import reload_settings
-from sieproxy.settings import ConfigError, Settings
+from sieproxy.operations.lifecycle import reload_on_sighup
+from sieproxy.operations.serve import reload_settings
+from sieproxy.settings.load import ConfigError, Settings
 
 from .harness import MODEL, TEMPLATE, Gateway, running_gateway
 from .test_health import chat, gen_rids, served_by, wait_until
@@ -110,8 +110,8 @@ async def test_sighup_reloads(tmp_path: Path) -> None:
 def test_reload_keeps_the_embedded_engine_and_its_picked_port(tmp_path: Path) -> None:
     """``embedded_engine.port = 0`` is resolved once at start; a reload of the same file must
     not move the embedded model's replica to port 0, and a changed table needs a restart."""
-    from sieproxy.serve import build_state, claim_ports
-    from sieproxy.settings import load_settings
+    from sieproxy.operations.serve import build_state, claim_ports
+    from sieproxy.settings.load import load_settings
 
     path = tmp_path / "e.toml"
     path.write_text('[embedded_engine]\nenabled = true\nkind = "fake"\n')

@@ -21,7 +21,7 @@ import pytest
 import trio
 
 from engine.fake import Call, DefaultScript, FakeEngine, Fault, Plan
-from sieproxy.settings import Settings
+from sieproxy.settings.load import Settings
 from tests.contract_cases import Case, body_bytes
 from tests.responses_cases import RESPONSES_CASES
 

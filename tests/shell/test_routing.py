@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from engine.fake import Call, DefaultScript, FakeEngine, Fault, Plan
-from sieproxy.settings import Settings
+from sieproxy.settings.load import Settings
 
 from .harness import MODEL, Gateway, another_gateway, least_loaded, running_gateway, sse_events
 from .test_health import (

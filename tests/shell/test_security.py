@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import trio
 
-import sieproxy.auth
+import sieproxy.front.auth
 from engine.fake import Call, DefaultScript, FakeEngine, Fault, Plan, abort_finish
-from sieproxy.auth import Authenticator
+from sieproxy.front.auth import Authenticator
 from sieproxy.core.errors import AuthenticationError
-from sieproxy.settings import Settings
+from sieproxy.settings.load import Settings
 
 from .harness import MODEL, host_port, running_gateway, sse_events
 
@@ -309,7 +309,7 @@ async def test_no_request_field_redirects_the_gateway() -> None:
 
 
 def test_auth_compares_digests_with_compare_digest(monkeypatch: pytest.MonkeyPatch) -> None:
-    src = inspect.getsource(sieproxy.auth)
+    src = inspect.getsource(sieproxy.front.auth)
     assert "hmac.compare_digest" in src
     assert "==" not in inspect.getsource(Authenticator.check).split('"""', 2)[-1].replace(
         "!=", ""
@@ -321,7 +321,7 @@ def test_auth_compares_digests_with_compare_digest(monkeypatch: pytest.MonkeyPat
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(sieproxy.auth.hmac, "compare_digest", spy)
+    monkeypatch.setattr(sieproxy.front.auth.hmac, "compare_digest", spy)
     tokens = [b"tok-one", b"tok-two", b"tok-three"]
     auth = Authenticator(True, tokens)
     digests = [hashlib.sha256(t).digest() for t in tokens]

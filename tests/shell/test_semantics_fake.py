@@ -17,7 +17,7 @@ from typing import Any
 import trio
 
 from engine.fake import Call, FakeEngine, Plan
-from sieproxy.settings import Settings
+from sieproxy.settings.load import Settings
 
 from .harness import MODEL, Gateway, running_gateway, sse_events
 

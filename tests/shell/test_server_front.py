@@ -1,4 +1,4 @@
-"""The server front's seam (``sieproxy.hypercorn_io.install``, ``Pump.run``): where a private
+"""The server front's seam (``sieproxy.front.hypercorn_io.install``, ``Pump.run``): where a private
 name of Hypercorn or h11 it relies on is missing, the gateway serves on stock Hypercorn and
 Quart and says so in one log line; with ``fast_paths`` off it serves on Hypercorn's own I/O
 (``PortableTCPServer``) with no relay pump; where there is no epoll the pump is off and the
@@ -21,8 +21,8 @@ import pytest
 from hypercorn.trio.tcp_server import TCPServer as HypercornTCPServer
 
 from engine.fake import FakeEngine, Plan
-from sieproxy import hypercorn_io
-from sieproxy.hypercorn_io import PortableTCPServer, TCPServer, fence
+from sieproxy.front import hypercorn_io
+from sieproxy.front.hypercorn_io import PortableTCPServer, TCPServer, fence
 
 from .harness import Gateway, running_gateway, sse_events
 

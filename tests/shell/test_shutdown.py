@@ -20,8 +20,8 @@ import pytest
 import trio
 
 from engine.fake import Call, FakeEngine, Plan, default_tokens
-from sieproxy.app import GatewayState
-from sieproxy.serve import build_app, serve
+from sieproxy.front.app import GatewayState
+from sieproxy.operations.serve import build_app, serve
 
 from .harness import MODEL, settings_for, sse_events
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from sieproxy.core.fairshare import Ticket
-from sieproxy.pool import ModelPool, Replica, RouteHints
+from sieproxy.core.tenancy.fairshare import Ticket
+from sieproxy.fleet.pool import ModelPool, Replica, RouteHints
 from tests.core.test_pool_unit import make_pool
 
 H = RouteHints()

@@ -15,8 +15,8 @@ import trio
 from msgspec.structs import replace
 
 from engine.fake import FakeEngine, Fault, Plan
-from sieproxy.core.quota import Limits
-from sieproxy.settings import Settings
+from sieproxy.core.tenancy.quota import Limits
+from sieproxy.settings.load import Settings
 from tests.shell.harness import MODEL, Gateway, running_gateway
 from tests.tenancy.conftest import key_line, write_keys
 

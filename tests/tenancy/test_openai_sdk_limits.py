@@ -10,8 +10,8 @@ import pytest
 import trio
 
 from engine.fake import FakeEngine, Plan
-from sieproxy.core.quota import Bucket, TenantCounters
-from sieproxy.settings import Settings
+from sieproxy.core.tenancy.quota import Bucket, TenantCounters
+from sieproxy.settings.load import Settings
 from tests.shell.harness import MODEL, running_gateway
 from tests.tenancy.conftest import key_line, write_keys
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import trio
 
-from sieproxy.core.quota import Limits, RateLimited
+from sieproxy.core.tenancy.quota import Limits, RateLimited
 from sieproxy.tenancy.limiter import Limiter
 from sieproxy.tenancy.redis_store import RedisCounters
-from sieproxy.tenancy.service import redis_client
+from sieproxy.front.tenants import redis_client
 from tests.tenancy.conftest import RedisServer
 
 

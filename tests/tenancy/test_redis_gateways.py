@@ -11,7 +11,7 @@ import trio
 
 from engine.fake import FakeEngine, Plan
 from sieproxy.cli import main
-from sieproxy.settings import Settings
+from sieproxy.settings.load import Settings
 from tests.shell.harness import MODEL, another_gateway, running_gateway
 from tests.tenancy.conftest import RedisServer, key_line, write_keys
 

@@ -1,0 +1,3 @@
+"""Planning: templates, grammars, the affinity key, engine bodies."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""The fleet: engine replicas, routing and admission, discovery, the upstream client."""
+
+__all__: list[str] = []

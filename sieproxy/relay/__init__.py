@@ -1,0 +1,3 @@
+"""The relay: one request's structured concurrency, candidates, attempts, merge."""
+
+__all__: list[str] = []

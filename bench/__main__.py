@@ -1237,8 +1237,9 @@ def cmd_fleet(a: argparse.Namespace) -> None:
         f"(think time {p.think[0]:g}–{p.think[1]:g} s). The turns alternate between "
         f"{p.gateways} gateways: two independent `ModelPool`s (the real routing code, reading "
         f"each replica's load every {p.load_interval:g} s), fed by the real core "
-        "(`build_chat`, which computes the prefix key). No client sends a key, so `key_only` "
-        "balances by load like `least_loaded`. Same workload and seed for every policy.", "",
+        "(the chat surface's `prepare`, which computes the prefix key). No client sends a key, "
+        "so `key_only` balances by load like `least_loaded`. "
+        "Same workload and seed for every policy.", "",
         *table, "",
         "The tail of `prefix` comes from requests that found their replica's running batch "
         "full: the other gateway's requests since the last load read are invisible to a "

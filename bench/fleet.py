@@ -5,7 +5,7 @@ clock (virtual seconds, jumped whenever every task waits), so its figures do not
 2 shared cores and one run takes seconds of real time.
 
 What is real: the gateway's routing. Each request is a chat body planned by the core
-(``build_chat``: template rendering, the prefix-affinity key) and placed by a real
+(``CHAT.prepare``: template rendering, the prefix-affinity key) and placed by a real
 :class:`sieproxy.fleet.pool.ModelPool` (``acquire``/``release``, its health watcher reading each
 replica's load every ``load_interval``). Two pools stand for two gateway processes sharing
 nothing; the turns of one conversation alternate between them, as behind a load balancer.
@@ -40,10 +40,10 @@ import msgspec
 import trio
 import trio.testing
 
-from sieproxy.core.planning.pipeline import build_chat
 from sieproxy.core.request.profile import ModelProfile
 from sieproxy.fleet.pool import ModelPool, RouteHints
 from sieproxy.settings.load import EngineSpec, GatewaySettings
+from sieproxy.surfaces import CHAT
 
 MODEL = "sim"
 CHATML = (
@@ -232,7 +232,7 @@ async def _run_mode(mode: str, p: Params) -> dict[str, Any]:
                    prompt: list[tuple[int, int]], answer: list[tuple[int, int]]) -> None:
         pool = pools[(c.cid + t) % p.gateways]  # the load balancer alternates gateways
         raw = msgspec.json.encode({"model": MODEL, "messages": messages})
-        plan = build_chat(raw, profiles, request_id=f"c{c.cid}t{t}", created=0)
+        plan = CHAT.prepare(raw, profiles, request_id=f"c{c.cid}t{t}", created=0)
         hints = RouteHints(affinity_key=plan.affinity_key, prefix_key=plan.prefix_key)
         sent = trio.current_time()
         r = await pool.acquire(hints, 1)

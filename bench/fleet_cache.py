@@ -39,9 +39,9 @@ import msgspec
 import trio
 import trio.testing
 
-from sieproxy.fleet.cache_route import CacheAwarePolicy, Route
 from sieproxy.core.planning.affinity import prefix_key
 from sieproxy.core.routing.kvindex import EventStream, chain_keys
+from sieproxy.fleet.cache_route import CacheAwarePolicy, Route
 from sieproxy.fleet.pool import ModelPool, RouteHints
 from sieproxy.settings.load import EngineSpec, GatewaySettings, ModelSettings
 

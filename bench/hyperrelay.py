@@ -29,8 +29,8 @@ from sieproxy.core.errors import GatewayError
 from sieproxy.fleet.client import EngineClient, UpstreamResponse
 from sieproxy.front.hypercorn_io import ChunkWriter, ClientWatch, body_writer, chunk_writer
 from sieproxy.front.hypercorn_io import install as install_hypercorn_io
-from sieproxy.relay.pump import Pump
 from sieproxy.operations.serve import tune_gc
+from sieproxy.relay.pump import Pump
 from sieproxy.settings.load import GatewaySettings
 
 _JSON = [(b"content-type", b"application/json")]

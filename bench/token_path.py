@@ -1,7 +1,7 @@
 """The gateway's own work per relayed token, without its system calls: one process, no sockets.
 
 ``python bench/token_path.py TOKENS`` builds a streamed chat request the way the gateway does
-(``core.pipeline.build_chat`` on the bench's model profile), an ``n`` = 1 response body
+(the chat surface's ``prepare`` on the bench's model profile), an ``n`` = 1 response body
 (``relay.GenerationBody``) reading an engine response, and a client writer, and then relays
 ``TOKENS`` tokens through ``InlineReader.ride()`` — the relay pump's step, which carries
 nearly every token of a streamed ``n`` = 1 response (sieproxy/relay/pump.py). Each step runs the
@@ -47,21 +47,36 @@ sys.path.insert(0, os.environ.get("SIEPROXY_TREE", str(ROOT)))
 
 import trio  # noqa: E402
 
-from sieproxy.core.upstream.http1 import ResponseParser  # noqa: E402
-from sieproxy.core.planning.pipeline import build_chat  # noqa: E402
-from sieproxy.core.upstream.sse import SSEDecoder  # noqa: E402
-
-try:  # the SGLang protocol's reader (``core.sglang``)
+try:  # the layer packages (sieproxy/surfaces, front, relay, fleet, ...)
+    from sieproxy.core.upstream.http1 import ResponseParser
     from sieproxy.core.upstream.sglang import NativeReader
-except ImportError:  # a revision before the protocol seam: reader and decoder apart
-    NativeReader = None  # type: ignore[assignment,misc]
-    from sieproxy.core.upstream import GenerateReader  # type: ignore[import-not-found,no-redef]
-from sieproxy.fleet.client import UpstreamResponse  # noqa: E402
-from sieproxy.front.hypercorn_io import ChunkWriter  # noqa: E402
-from sieproxy.fleet.pool import Replica, RouteHints  # noqa: E402
-from sieproxy.relay.body import GenerationBody, RequestStats  # noqa: E402
-from sieproxy.operations.serve import build_state  # noqa: E402
-from sieproxy.settings.load import load_settings  # noqa: E402
+    from sieproxy.core.upstream.sse import SSEDecoder
+    from sieproxy.fleet.client import UpstreamResponse
+    from sieproxy.fleet.pool import Replica, RouteHints
+    from sieproxy.front.hypercorn_io import ChunkWriter
+    from sieproxy.operations.serve import build_state
+    from sieproxy.relay.body import GenerationBody, RequestStats
+    from sieproxy.settings.load import load_settings
+    from sieproxy.surfaces import CHAT
+
+    build_chat = CHAT.prepare
+except ImportError:  # a revision before them: modules side by side
+    from sieproxy.core.http1 import ResponseParser  # type: ignore[no-redef]
+    from sieproxy.core.pipeline import build_chat  # type: ignore[no-redef]
+    from sieproxy.core.sse import SSEDecoder  # type: ignore[no-redef]
+    from sieproxy.engine_client import UpstreamResponse  # type: ignore[no-redef]
+    from sieproxy.hypercorn_io import ChunkWriter  # type: ignore[no-redef]
+    from sieproxy.pool import Replica, RouteHints  # type: ignore[no-redef]
+    from sieproxy.serve import build_state  # type: ignore[no-redef]
+
+    from sieproxy.relay import GenerationBody, RequestStats  # type: ignore[no-redef]
+    from sieproxy.settings import load_settings  # type: ignore[no-redef]
+
+    try:  # the SGLang protocol's reader (``core.sglang``)
+        from sieproxy.core.sglang import NativeReader  # type: ignore[no-redef]
+    except ImportError:  # a revision before the protocol seam: reader and decoder apart
+        NativeReader = None  # type: ignore[assignment,misc]
+        from sieproxy.core.upstream import GenerateReader  # type: ignore[import-not-found]
 
 #: Distinct engine chunks the harness cycles through (their texts and token counts differ).
 DISTINCT = 1000

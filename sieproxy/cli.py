@@ -13,14 +13,14 @@ from functools import partial
 import trio
 
 from . import __version__
-from .operations.child import PortInUse
 from .core.shaping.reasoning import REASONING_PARSERS
 from .core.shaping.toolparse import TOOL_PARSERS
+from .operations.child import PortInUse
 from .operations.engine_check import check_engine_setup
 from .operations.quickstart import ModelFlags, serve_settings
-from .settings.load import ConfigError, as_dict, load_settings
 from .operations.tenants import add_parsers as add_tenancy_parsers
 from .operations.tenants import run_command as run_tenancy_command
+from .settings.load import ConfigError, as_dict, load_settings
 
 __all__ = ["main"]
 
@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--host", help="listen address (default: gateway.host, 127.0.0.1)")
     s.add_argument("--port", type=int, help="listen port (default: gateway.port, 8000)")
-    # One model, no configuration file (sieproxy.operations.quickstart; refused together with --config).
+    # One model, no configuration file (sieproxy.operations.quickstart; refused with --config).
     m = s.add_mutually_exclusive_group()
     m.add_argument("--model", help="run the embedded CPU engine on PATH (a Hugging Face "
                    "model directory or a .gguf file; default: SmolLM2-135M-Instruct)")  # fmt: skip

@@ -5,7 +5,7 @@ Same shape as :mod:`tests.contract_cases` (a :class:`~tests.contract_cases.Case`
 ``endpoint="messages"``): ``status`` 200 for an accepted request, or 400 with the gateway's
 ``code`` (checked in the core; Anthropic's envelope has no code) and ``param`` (in the core; over
 HTTP it leads the message). ``tests/core/test_messages.py`` drives the table through
-``build_messages``; ``tests/shell/test_messages.py`` posts it to a gateway in front of a fake
+``MESSAGES.prepare``; ``tests/shell/test_messages.py`` posts it to a gateway in front of a fake
 engine and through the ``anthropic`` SDK. Models: ``test-model`` (image input) and
 ``text-model``.
 """

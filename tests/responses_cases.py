@@ -3,7 +3,7 @@
 Same shape as :mod:`tests.contract_cases` (a :class:`~tests.contract_cases.Case` per body, with
 ``endpoint="responses"``): ``status`` 200 for an accepted request, or 400 with the envelope's
 ``code`` and ``param``. ``tests/core/test_responses.py`` drives the table through the core's
-``build_responses``; ``tests/shell/test_responses_contract.py`` posts it to a gateway in front of
+``RESPONSES.prepare``; ``tests/shell/test_responses_contract.py`` posts it to a gateway in front of
 a fake engine. Models: ``test-model`` (image input, the ``my-adapter`` LoRA) and ``text-model``.
 """
 

@@ -17,7 +17,12 @@ import httpx
 import pytest
 
 from sieproxy.cli import main
-from sieproxy.operations.quickstart import ModelFlags, serve_settings, served_name_for, settings_from_flags
+from sieproxy.operations.quickstart import (
+    ModelFlags,
+    serve_settings,
+    served_name_for,
+    settings_from_flags,
+)
 from sieproxy.operations.serve import effective_models
 from sieproxy.settings.load import DEFAULT_MODEL_NAME, ConfigError
 from tests.procs import stop_process

@@ -1,5 +1,5 @@
-"""The serving entry points tune the garbage collector (``sieproxy.operations.serve.tune_gc``); building
-the app alone does not (an embedding host keeps its own collector settings)."""
+"""The serving entry points tune the garbage collector (``sieproxy.operations.serve.tune_gc``);
+building the app alone does not (an embedding host keeps its own collector settings)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def test_asgi_entry_point_tunes_gc(tmp_path: Path) -> None:
 
 def test_build_app_alone_leaves_gc_alone(tmp_path: Path) -> None:
     setup = (
-        "from sieproxy.settings.load import load_settings; from sieproxy.operations.serve import build_app; "
+        "from sieproxy.settings.load import load_settings; "
+        "from sieproxy.operations.serve import build_app; "
         "build_app(load_settings())"
     )
     thresholds, frozen = probe(setup, tmp_path)

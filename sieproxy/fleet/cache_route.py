@@ -32,11 +32,17 @@ from urllib.parse import urlsplit
 
 import trio
 
-from ..core.routing.kvindex import APPROX_BLOCK, ApproxIndex, EventStream, chain_keys, matched_blocks
-from ..core.routing.prefix_route import Candidate, predicted_hit, rank
 from ..core.request.profile import positive_int
-from .kv_events import follow
+from ..core.routing.kvindex import (
+    APPROX_BLOCK,
+    ApproxIndex,
+    EventStream,
+    chain_keys,
+    matched_blocks,
+)
+from ..core.routing.prefix_route import Candidate, predicted_hit, rank
 from ..settings.schema import EngineSpec, ModelSettings
+from .kv_events import follow
 from .tokens import PromptTokenizer, load_tokenizer
 
 if TYPE_CHECKING:

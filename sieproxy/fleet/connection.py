@@ -38,8 +38,8 @@ import msgspec
 import trio
 
 from ..core.errors import EngineHTTPError, EngineTruncated, EngineUnreachable, GatewayError
-from ..core.upstream.http1 import ConnectionClosed, FramingError, ResponseParser
 from ..core.request.refusal import classify_error
+from ..core.upstream.http1 import ConnectionClosed, FramingError, ResponseParser
 from ..core.upstream.retry import parse_retry_after
 from ..core.upstream.status import REFUSALS
 

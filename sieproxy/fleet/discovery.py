@@ -2,7 +2,8 @@
 
 Each served model has one :class:`EngineSources`: its configured ``engines`` (plain URLs, and
 entries with ``discover = "dns"``) and its ``engines_file``. The model's replicas are what
-:func:`sieproxy.core.upstream.discovery.replicas` makes of them, applied with ``ModelPool.set_engines``:
+:func:`sieproxy.core.upstream.discovery.replicas` makes of them, applied with
+``ModelPool.set_engines``:
 an address that appears becomes a replica that takes requests after its first passing health
 check; one that vanishes is never chosen again, and the streams running on it finish there
 (draining). A model with neither kind of entry changes its list only on reload.
@@ -30,8 +31,8 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from ..core.upstream.discovery import Endpoint, diff, host_port, replicas
-from .pool import ModelPool
 from ..settings.load import EngineSpec, parse_engines_file
+from .pool import ModelPool
 
 __all__ = ["FILE_POLL", "EngineSources", "resolve"]
 

@@ -4,7 +4,8 @@ The engine publishes on a PUB socket ``[topic, sequence (8 bytes big-endian), pa
 when it has a replay endpoint, answers on a ROUTER socket a request ``[b"", start sequence]``
 with ``[b"", sequence, payload]`` for each batch it still holds from there, then an end marker
 (sequence −1, empty payload). The gateway subscribes with a SUB socket and asks for a replay
-with a short-lived DEALER socket, whenever :class:`~sieproxy.core.routing.kvindex.EventStream` says so.
+with a short-lived DEALER socket, whenever
+:class:`~sieproxy.core.routing.kvindex.EventStream` says so.
 
 Trio and pyzmq: sockets are used non-blocking (``zmq.NOBLOCK``) from the Trio thread only, and a
 task waits for the socket's notification descriptor with ``trio.lowlevel.wait_readable``: no

@@ -45,12 +45,12 @@ from typing import Any
 import trio
 
 from ..core.errors import InvalidRequest, ServiceUnavailable
-from ..core.tenancy.fairshare import FairShare, Ticket
 from ..core.request.profile import positive_int
+from ..core.tenancy.fairshare import FairShare, Ticket
 from ..core.upstream.protocol import protocol_for
-from .client import EngineClient
 from ..settings.load import EngineSpec, GatewaySettings
 from ..tenancy.admission import AdmissionQueue
+from .client import EngineClient
 
 log = logging.getLogger("sieproxy.pool")
 

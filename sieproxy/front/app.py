@@ -31,7 +31,10 @@ from ..core.errors import (
     MethodNotAllowed,
     NotFound,
 )
-from ..core.planning.pipeline import find_profile
+from ..core.planning.prepared import find_profile
+from ..settings.keys import KeyEntry
+from ..surfaces import SURFACES, Surface
+from .hypercorn_io import body_consumed
 from .intake import (
     as_error,
     check_auth,
@@ -39,10 +42,8 @@ from .intake import (
     request_id_for,
     serve_generation,
 )
-from .hypercorn_io import body_consumed
 from .request_body import too_large
 from .state import GatewayState
-from ..settings.keys import KeyEntry
 
 __all__ = ["GatewayApp", "GatewayHTTPConnection", "GatewayState", "create_app"]
 
@@ -56,23 +57,14 @@ class GatewayHTTPConnection(TrioASGIHTTPConnection):
 
     async def __call__(self, receive: Any, send: Any) -> None:
         scope = self.scope
-        endpoint = _GENERATION.get(_route_path(scope)) if scope["method"] == "POST" else None
-        if endpoint is None:
+        surfaces: dict[str, Surface] = self.app.extensions["sieproxy.surfaces"]
+        surface = surfaces.get(_route_path(scope)) if scope["method"] == "POST" else None
+        if surface is None:
             await super().__call__(receive, send)
             return
         state: GatewayState = self.app.extensions["sieproxy"]
         body_timeout = float(self.app.config["BODY_TIMEOUT"])
-        await serve_generation(state, endpoint, body_timeout, scope, receive, send)
-
-
-#: The generation routes and their endpoint labels (metrics, logs).
-_GENERATION = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/responses": "responses",
-    "/v1/messages": "messages",
-    "/v1/messages/count_tokens": "count_tokens",
-}
+        await serve_generation(state, surface, body_timeout, scope, receive, send)
 
 
 def _route_path(scope: Any) -> str:
@@ -96,9 +88,11 @@ def _model_object(name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": 0, "owned_by": "sieproxy"}
 
 
-def create_app(state: GatewayState) -> Quart:
-    """Build the Quart-Trio app around a ready :class:`GatewayState`."""
+def create_app(state: GatewayState, surfaces: tuple[Surface, ...] = SURFACES) -> Quart:
+    """Build the Quart-Trio app around a ready :class:`GatewayState`, serving ``surfaces``
+    (``POST`` on each one's path; sieproxy/surfaces/)."""
     app = GatewayApp("sieproxy")
+    surfaces_at = app.extensions["sieproxy.surfaces"] = {s.path: s for s in surfaces}
     g = state.settings.gateway
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 60  # seconds for a request body to arrive, on every route
@@ -136,7 +130,7 @@ def create_app(state: GatewayState) -> Quart:
             err: GatewayError = MethodNotAllowed(
                 f"{request.method} is not allowed on {request.path}."
             )
-            resp = error_response(err, rid, _GENERATION.get(request.path))
+            resp = error_response(err, rid, surfaces_at.get(request.path))
             if exc.valid_methods:  # type: ignore[attr-defined]
                 resp.headers["Allow"] = ", ".join(exc.valid_methods)  # type: ignore[attr-defined]
             return resp
@@ -162,8 +156,8 @@ def create_app(state: GatewayState) -> Quart:
 
     # POST on the generation routes is answered before Quart routes it (GatewayHTTPConnection);
     # the rules, with no view, are here so that any other method gets 405 with `Allow: POST`.
-    for path, endpoint in _GENERATION.items():
-        app.add_url_rule(path, endpoint, methods=["POST"])
+    for surface in surfaces:
+        app.add_url_rule(surface.path, surface.name, methods=["POST"])
 
     @app.get("/v1/models")
     async def models() -> Response:

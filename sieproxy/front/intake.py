@@ -2,10 +2,10 @@
 
 ``sieproxy.front.app.GatewayHTTPConnection`` hands ``POST`` on the generation routes to
 :func:`serve_generation`: it reads the headers it needs and the body (``read_body``,
-sieproxy/front/request_body.py), plans and admits the request (:func:`_start`) and sends the response
-(:func:`_send_generation`), while a ``ClientWatch`` cancels it all if the client leaves. The
-error envelope, the request id and the auth check, which the Quart routes use too
-(sieproxy/front/app.py), live here.
+sieproxy/front/request_body.py), has its surface plan it and admits it
+(:func:`sieproxy.front.admit.start`) and sends the response (:func:`_send_generation`), while a
+``ClientWatch`` cancels it all if the client leaves. The error envelope, the request id and the
+auth check, which the Quart routes use too (sieproxy/front/app.py), live here.
 
 Every status decision for a generation request happens before its status line is sent: auth
 (401), draining (503), body size (413) and type (400), decoding and validation (400), the model
@@ -23,29 +23,16 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
-import trio
 from quart import Response
 
-from ..core.errors import (
-    GatewayError,
-    InternalError,
-    InvalidRequest,
-    ServiceUnavailable,
-)
-from ..surfaces.messages.shaper import error_reply
-from ..core.planning.pipeline import (
-    Prepared,
-    build_chat,
-    build_completion,
-    build_count_tokens,
-    build_messages,
-    build_responses,
-)
-from ..relay.fallback import Fallbacks, cause_of, context_plan, context_targets
+from ..core.errors import GatewayError, InternalError, InvalidRequest, ServiceUnavailable
+from ..relay.body import GenerationBody
+from ..settings.keys import KeyEntry
+from ..surfaces import Surface
+from .admit import start, tenant_of
 from .hypercorn_io import (
     ClientWatch,
     body_writer,
@@ -53,14 +40,8 @@ from .hypercorn_io import (
     refusal,
     send_together,
 )
-from ..fleet.pool import RouteHints
-from ..relay.body import GenerationBody
 from .request_body import ClientGone, read_body
 from .state import GatewayState
-from ..observe.stats import RequestStats
-from ..tenancy.gate import requested_model, reservation
-from ..settings.keys import KeyEntry
-from ..tenancy.limiter import Lease
 
 __all__ = [
     "as_error",
@@ -80,12 +61,12 @@ _SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
 def error_response(
-    err: GatewayError, request_id: str | None = None, endpoint: str | None = None
+    err: GatewayError, request_id: str | None = None, surface: Surface | None = None
 ) -> Response:
-    """``err`` in the error envelope of ``endpoint``'s API (Anthropic's on the Messages
-    routes, OpenAI's everywhere else)."""
-    if endpoint in _ANTHROPIC:
-        status, headers, body = error_reply(err)
+    """``err`` in the error envelope of ``surface``'s API (:meth:`Surface.error`), OpenAI's
+    on the routes of no surface."""
+    if surface is not None:
+        status, headers, body = surface.error(err)
         resp = Response(body, status=status, content_type=_JSON_CT)
     else:
         resp = Response(_json.encode(err.envelope()), status=err.status, content_type=_JSON_CT)
@@ -134,8 +115,9 @@ class _Client:
 
 
 async def serve_generation(
-    state: GatewayState, endpoint: str, body_timeout: float, scope: Any, receive: Any, send: Any
+    state: GatewayState, surface: Surface, body_timeout: float, scope: Any, receive: Any, send: Any
 ) -> None:
+    endpoint = surface.name
     headers: dict[bytes, str] = {}
     for name, value in scope["headers"]:
         if name in _WANTED and name not in headers:  # the first one, as Quart's get() returns
@@ -148,7 +130,7 @@ async def serve_generation(
         entry: KeyEntry | None = None
         try:
             try:
-                entry = check_auth(state, _credentials(endpoint, headers))
+                entry = check_auth(state, _credentials(surface, headers))
                 g = state.settings.gateway
                 if state.draining:
                     raise ServiceUnavailable(
@@ -157,7 +139,7 @@ async def serve_generation(
                     )
                 raw = await read_body(headers, receive, g.max_body_bytes, body_timeout)
                 watch.watch(client.leave)
-                started = await _start(state, endpoint, rid, headers, raw, client, entry)
+                started = await start(state, surface, rid, headers, raw, client.outcome, entry)
                 body, limit_headers = started
             except ClientGone:
                 refused = refusal()  # the connection answered a body it could not read
@@ -176,14 +158,14 @@ async def serve_generation(
                     endpoint, err, request_id=rid, sdk_version=sdk, tenant=tenant_of(entry)
                 )
                 client.ended = True
-                await _send_whole(send, error_response(err, rid, endpoint), close=raw is None)
+                await _send_error(send, surface, err, rid, close=raw is None)
                 return
             ctype = b"text/event-stream" if body.streaming else _JSON_CT_B
             out = [(b"content-type", ctype), (b"x-request-id", rid.encode("latin-1"))]
             if body.streaming:
                 out += _SSE_HEADERS
             out += limit_headers
-            await _send_generation(send, out, body, client)
+            await _send_generation(send, out, body, client, surface)
         finally:
             if body is not None:
                 if not body.entered:  # the client left before the body was entered
@@ -204,15 +186,15 @@ def as_error(exc: Exception, request_id: str | None) -> GatewayError:
     return InternalError("The gateway failed to process this request.")
 
 
-#: The endpoints of Anthropic's API: its error envelope, and ``x-api-key`` as the credential.
-_ANTHROPIC = frozenset({"messages", "count_tokens"})
-
-
-def _credentials(endpoint: str, headers: dict[bytes, str]) -> str | None:
-    """The ``Authorization`` value to check: on Anthropic's routes an ``x-api-key`` (which
-    Anthropic clients send) is checked as its bearer token, and wins over ``Authorization``."""
-    key = headers.get(b"x-api-key") if endpoint in _ANTHROPIC else None
-    return f"Bearer {key}" if key is not None else headers.get(b"authorization")
+def _credentials(surface: Surface, headers: dict[bytes, str]) -> str | None:
+    """The ``Authorization`` value to check: a key in one of the surface's own key headers
+    (``x-api-key`` on Anthropic's routes, which Anthropic clients send) is checked as its
+    bearer token, and wins over ``Authorization``."""
+    for name in surface.key_headers:
+        key = headers.get(name)
+        if key is not None:
+            return f"Bearer {key}"
+    return headers.get(b"authorization")
 
 
 def check_auth(state: GatewayState, raw: str | None) -> KeyEntry | None:
@@ -220,182 +202,12 @@ def check_auth(state: GatewayState, raw: str | None) -> KeyEntry | None:
     return state.auth.check(raw.encode("utf-8", "surrogateescape") if raw is not None else None)
 
 
-def tenant_of(entry: KeyEntry | None) -> str | None:
-    return entry.tenant.name if entry is not None else None
-
-
-async def _start(
-    state: GatewayState,
-    endpoint: str,
-    rid: str,
-    headers: dict[bytes, str],
-    raw: bytes,
-    client: _Client,
-    entry: KeyEntry | None,
-) -> tuple[GenerationBody, list[tuple[bytes, bytes]]]:
-    """Plan the request and admit it: the response body, not entered yet (every status
-    decision before the body is primed is taken here), and the rate-limit headers."""
-    tenancy = state.tenancy
-    if entry is not None and entry.models is not None:  # before the body's own checks
-        tenancy.check_model(entry, requested_model(raw))
-    builder = {  # each endpoint's planner (sieproxy/core/planning/pipeline.py), looked up per request
-        "chat": build_chat,
-        "completions": build_completion,
-        "responses": build_responses,
-        "messages": build_messages,
-        "count_tokens": build_count_tokens,
-    }[endpoint]
-    created = state.created()
-
-    def planner(m: str | None = None) -> Prepared:
-        return builder(raw, state.profiles, request_id=rid, created=created, model=m)
-
-    try:
-        plan = planner()
-    except GatewayError as exc:  # too long for the model: its context_fallbacks
-        if exc.code != "context_length_exceeded":
-            raise
-        plan = context_plan(exc, raw, state.settings, planner, state.observer)
-    pool = state.pools[plan.model]
-    policy = pool.policy  # routing = "cache_aware" (sieproxy/fleet/cache_route.py)
-    hints = RouteHints(
-        pool=headers.get(b"x-sie-pool") or None,
-        machine_profile=headers.get(b"x-sie-machine-profile") or None,
-        affinity_key=plan.affinity_key,
-        prefix_key=plan.prefix_key,
-        route=None if policy is None else await policy.prepare(plan.bodies),
-    )
-    pool.check_hints(hints)
-    prompt_estimate, cap, k = reservation(plan.bodies)
-    lease = await tenancy.admit(
-        entry, prompt_tokens=prompt_estimate, max_tokens=cap, candidates=k,
-        param=plan.fields.max_tokens,
-    )  # fmt: skip
-    try:
-        return await _admitted(
-            state, endpoint, rid, headers, client, entry, plan, planner, hints, lease,
-            prompt_estimate,
-        )  # fmt: skip
-    except BaseException:
-        tenancy.settle(lease, 0)  # refused or gone before it ran: nothing used
-        raise
-
-
-async def _admitted(
-    state: GatewayState,
-    endpoint: str,
-    rid: str,
-    headers: dict[bytes, str],
-    client: _Client,
-    entry: KeyEntry | None,
-    plan: Prepared,
-    planner: Callable[[str | None], Prepared],
-    hints: RouteHints,
-    lease: Lease,
-    prompt_estimate: int,
-) -> tuple[GenerationBody, list[tuple[bytes, bytes]]]:
-    """The rest of :func:`_start` once the tenant's limits admitted the request."""
-    g = state.settings.gateway
-    pool = state.pools[plan.model]
-    stats = RequestStats(
-        request_id=rid, model=plan.model, endpoint=endpoint, n=plan.n, stream=plan.stream
-    )
-    stats.tenant = tenant_of(entry)
-    stats.sdk_version = headers.get(b"x-sie-sdk-version")
-    fb: Fallbacks | None = None  # made when first needed (sieproxy/relay/fallback.py)
-    ctx: Fallbacks | None = None  # the same for context_fallbacks
-
-    def fallbacks(cause: str = "failed") -> Fallbacks:
-        nonlocal fb, ctx
-        if cause == "context":
-            if ctx is None:
-                ctx = fb = Fallbacks(
-                    plan=plan,
-                    hints=hints,
-                    targets=context_targets(state.settings, plan.model),
-                    planner=planner,
-                    pools=state.pools,
-                    profiles=state.profiles,
-                    observer=state.observer,
-                )
-            return ctx
-        if fb is None or fb is ctx:
-            fb = Fallbacks(
-                plan=plan,
-                hints=hints,
-                targets=state.settings.fallback_chain(plan.model),
-                planner=planner,
-                pools=state.pools,
-                profiles=state.profiles,
-                observer=state.observer,
-            )
-        return fb
-
-    conf = state.settings.models.get(plan.model)
-    has_fallbacks = conf is not None and bool(conf.fallbacks or conf.context_fallbacks)
-    queued_at = trio.current_time()
-    try:
-        if pool.failed is not None:  # the embedded engine was given up (sieproxy/operations/child.py)
-            raise ServiceUnavailable(
-                f"The engine of model {plan.model!r} failed: {pool.failed}. The gateway's log "
-                "has its error; fix the engine's settings and restart the gateway.",
-                retry_after=g.retry_after,
-                code="engine_failed",
-            )
-        replica = await pool.acquire(
-            hints, len(plan.bodies), ticket=state.tenancy.ticket(entry, lease.reserved)
-        )
-    except ServiceUnavailable as exc:
-        moved = await fallbacks().next(cause_of(exc)) if has_fallbacks else None
-        if moved is None:
-            raise
-        pool, hints, replica, stats.model = moved.pool, moved.hints, moved.replica, moved.model
-        plan = fallbacks().current
-    stats.replica = replica.url
-    stats.admission_wait = trio.current_time() - queued_at
-    route = hints.route  # routing = "cache_aware" (None after a fallback to another pool)
-    if route is not None:
-        stats.on_first_token = lambda: route.policy.first_token(route)
-
-    def finish(b: GenerationBody) -> None:
-        served = fb.current if fb is not None else plan
-        b.stats.prompt_tokens, b.stats.completion_tokens = served.usage()
-        if route is not None:
-            reported = [c.cached_tokens for c in served.shaper.choices] if b.stats.responded else []
-            b.stats.cached_tokens = min(reported) if reported else None
-            b.stats.cached_predicted = route.predicted
-            route.policy.done(route, b.stats.cached_tokens)
-        b.stats.outcome = client.outcome()
-        prompt = b.stats.prompt_tokens
-        if not prompt and b.stats.first_token_at is not None:
-            prompt = prompt_estimate  # the engine ran it but did not say (cut before usage)
-        state.tenancy.settle(lease, prompt + b.stats.completion_tokens)
-        state.observer.request_done(b.stats)
-
-    body = GenerationBody(
-        g=g,
-        client=state.client,
-        pool=pool,
-        replica=replica,
-        hints=hints,
-        bodies=plan.bodies,
-        shaper=plan.shaper,
-        streaming=plan.stream,
-        stats=stats,
-        on_done=finish,
-        timer=state.timer,
-        pump=state.pump,
-        fallback=(
-            (lambda cause, failed: fallbacks(cause).next(cause, failed)) if has_fallbacks else None
-        ),
-        fields=plan.fields,
-    )
-    state.active.add(body)
-    return body, [(k.encode(), v.encode()) for k, v in lease.headers().items()]
-
-
 async def _send_generation(
-    send: Any, headers: list[tuple[bytes, bytes]], body: GenerationBody, client: _Client
+    send: Any,
+    headers: list[tuple[bytes, bytes]],
+    body: GenerationBody,
+    client: _Client,
+    surface: Surface,
 ) -> None:
     async with body:
         start = {"type": "http.response.start", "status": 200, "headers": headers}
@@ -409,8 +221,7 @@ async def _send_generation(
         except Exception as exc:
             err = body.stats.error = as_error(exc, body.stats.request_id)
             body.stats.responded = client.ended = True
-            resp = error_response(err, body.stats.request_id, body.stats.endpoint)
-            await _send_whole(send, resp)
+            await _send_error(send, surface, err, body.stats.request_id)
             return
         # The head and the first frames go out in one socket write; the whole answer (not
         # streamed, or a stream whose engine sent all of it at once) with the body's end too.
@@ -449,13 +260,18 @@ def _body(data: bytes | str, *, more: bool) -> dict[str, Any]:
     return {"type": "http.response.body", "body": data, "more_body": more}
 
 
-async def _send_whole(send: Any, resp: Response, *, close: bool = False) -> None:
-    data = await resp.get_data()
-    headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.items()]
+async def _send_error(
+    send: Any, surface: Surface, err: GatewayError, request_id: str, *, close: bool = False
+) -> None:
+    """``err`` in ``surface``'s envelope, whole; ``close``: the connection closes after it (an
+    error answered before the request body was read)."""
+    status, extra, data = surface.error(err)
+    headers = [(b"content-type", _JSON_CT_B), (b"x-request-id", request_id.encode("latin-1"))]
+    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
     if close:
         headers.append((b"connection", b"close"))
-    start = {"type": "http.response.start", "status": resp.status_code, "headers": headers}
-    await send_together(send, [start, _body(data, more=False)])
+    head = {"type": "http.response.start", "status": status, "headers": headers}
+    await send_together(send, [head, _body(data, more=False)])
 
 
 def request_id_for(given: str | None) -> str:

@@ -8,17 +8,17 @@ from typing import Any
 import msgspec
 
 from .. import __version__
-from ..surfaces.responses.request import (
-    RESPONSES_KNOWN_REJECTED,
-    ResponsesRequest,
-    RFunctionTool,
-    RItem,
-)
 from ..core.request.schemas import (
     CHAT_KNOWN_REJECTED,
     COMPLETIONS_KNOWN_REJECTED,
     ChatCompletionRequest,
     CompletionRequest,
+)
+from ..surfaces.responses.request import (
+    RESPONSES_KNOWN_REJECTED,
+    ResponsesRequest,
+    RFunctionTool,
+    RItem,
 )
 
 __all__ = ["openapi_document"]

@@ -22,18 +22,18 @@ from typing import Any
 import msgspec
 import trio
 
-from .auth import Authenticator
-from ..fleet.cache_route import CacheAwarePolicy
 from ..core.errors import GatewayError
+from ..core.planning.template import check_template
 from ..core.request.profile import ModelProfile, positive_int
 from ..core.upstream.protocol import protocol_for
-from ..core.planning.template import check_template
-from ..fleet.discovery import EngineSources
+from ..fleet.cache_route import CacheAwarePolicy
 from ..fleet.client import EngineClient
-from ..observe.observer import Observer
+from ..fleet.discovery import EngineSources
 from ..fleet.pool import ModelPool
-from ..relay.pump import Pump
+from ..observe.observer import Observer
 from ..relay.body import GenerationBody
+from ..relay.pump import Pump
+from ..relay.timers import WaitTimer
 from ..settings.load import (
     DEFAULT_MODEL_NAME,
     ConfigError,
@@ -41,11 +41,11 @@ from ..settings.load import (
     ModelSettings,
     Settings,
 )
+from ..settings.tokenizer_dir import read_tokenizer_dir
 from ..tenancy.gate import Tenancy
 from ..tenancy.limiter import Limiter
+from .auth import Authenticator
 from .tenants import authenticator, build_tenancy
-from ..relay.timers import WaitTimer
-from ..settings.tokenizer_dir import read_tokenizer_dir
 
 __all__ = [
     "DEFAULT_MODEL_TOOL_PARSER",

@@ -2,8 +2,9 @@
 file watched.
 
 The keys file is re-read when it changes (its modification time, size or inode, looked at every
-``KEYS_POLL`` seconds) and on SIGHUP (sieproxy/operations/lifecycle.py). A file that does not parse, or
-breaks a rule, is refused with its line named in one log line, and the running keys stay.
+``KEYS_POLL`` seconds) and on SIGHUP (sieproxy/operations/lifecycle.py). A file that does
+not parse, or breaks a rule, is refused with its line named in one log line, and the running
+keys stay.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from typing import Any
 
 import trio
 
-from .auth import Authenticator
+from ..settings.keys import KeyEntry, load_keys
 from ..settings.load import ConfigError, Settings
 from ..tenancy.gate import Tenancy
-from ..settings.keys import KeyEntry, load_keys
 from ..tenancy.limiter import Limiter
 from ..tenancy.redis_store import RedisCounters
+from .auth import Authenticator
 
 __all__ = [
     "KEYS_POLL",

@@ -27,11 +27,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from .cache_metrics import CacheRouteCollector
 from ..core.errors import GatewayError
 from ..fleet.pool import ModelPool
-from .stats import RequestStats
 from ..tenancy.limiter import Limiter
+from .cache_metrics import CacheRouteCollector
+from .stats import RequestStats
 
 __all__ = ["FALLBACK_CAUSES", "Observer"]
 

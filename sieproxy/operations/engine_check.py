@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import subprocess
 
-from .child import engine_argv
 from ..settings.schema import ConfigError, Settings
+from .child import engine_argv
 
 __all__ = ["CHECK_TIMEOUT", "check_engine_setup"]
 

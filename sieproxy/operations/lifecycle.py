@@ -1,5 +1,5 @@
-"""A serving process's lifecycle around ``serve`` (sieproxy/operations/serve.py): signals, the drain, the
-configuration reload on SIGHUP, the parent watch and the "ready" line.
+"""A serving process's lifecycle around ``serve`` (sieproxy/operations/serve.py): signals, the
+drain, the configuration reload on SIGHUP, the parent watch and the "ready" line.
 
 Shutdown: on SIGTERM/SIGINT the gateway stops accepting connections, answers new requests on
 open connections with 503, lets in-flight streams run for ``shutdown_grace`` seconds, then ends
@@ -19,9 +19,9 @@ import signal
 import trio
 from msgspec.structs import replace as struct_replace
 
-from ..settings.load import ConfigError, GatewaySettings, load_settings
 from ..front.state import GatewayState, effective_models, engine_specs
 from ..front.tenants import authenticator
+from ..settings.load import ConfigError, GatewaySettings, load_settings
 
 __all__ = [
     "EXIT_WITH_PARENT_ENV",

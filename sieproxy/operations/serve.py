@@ -22,8 +22,13 @@ from hypercorn.trio import serve as hypercorn_serve
 from quart import Quart
 
 from ..front.app import create_app
-from .child import LAUNCH_TOKEN_ENV, PortInUse, claim_port, engine_argv, supervise_child
 from ..front.hypercorn_io import install as install_hypercorn_io
+from ..front.state import GatewayState, build_state, discover, effective_models
+from ..front.tenants import run_tenancy
+from ..relay.body import sweep_stalls
+from ..settings.load import Settings
+from ..surfaces import SURFACES, Surface
+from .child import LAUNCH_TOKEN_ENV, PortInUse, claim_port, engine_argv, supervise_child
 from .lifecycle import (
     EXIT_WITH_PARENT_ENV,
     announce_ready,
@@ -33,10 +38,6 @@ from .lifecycle import (
     stop_requests,
     watch_parent,
 )
-from ..relay.body import sweep_stalls
-from ..settings.load import Settings
-from ..front.state import GatewayState, build_state, discover, effective_models
-from ..front.tenants import run_tenancy
 
 __all__ = [
     "GC_THRESHOLDS",
@@ -53,10 +54,11 @@ __all__ = [
 log = logging.getLogger("sieproxy")
 
 
-def build_app(settings: Settings) -> Quart:
-    """The app with its background tasks wired to Quart-Trio's serving nursery."""
+def build_app(settings: Settings, surfaces: tuple[Surface, ...] = SURFACES) -> Quart:
+    """The app serving ``surfaces``, with its background tasks wired to Quart-Trio's serving
+    nursery."""
     state = build_state(settings)
-    app = create_app(state)
+    app = create_app(state, surfaces)
 
     @app.before_serving
     async def _start_background() -> None:

@@ -15,8 +15,8 @@ import sys
 import time
 from typing import Any
 
-from ..settings.load import ConfigError, Settings
 from ..settings.keys import KeyLine, add_key, read_lines, revoke_keys
+from ..settings.load import ConfigError, Settings
 
 __all__ = ["add_parsers", "run_command"]
 
@@ -150,8 +150,8 @@ def _usage(args: Any, settings: Settings) -> int:
     seconds = int(m.group(1)) * _UNIT[m.group(2)]
     import trio
 
-    from ..tenancy.redis_store import USAGE_RETENTION, RedisCounters
     from ..front.tenants import redis_client
+    from ..tenancy.redis_store import USAGE_RETENTION, RedisCounters
 
     if seconds > USAGE_RETENTION:
         raise ConfigError(f"--since: usage is kept {USAGE_RETENTION // 86400} days at most")

@@ -19,7 +19,6 @@ from typing import Any
 
 import trio
 
-from .candidate import SHOWN, Candidate, Event, Step
 from ..core.errors import (
     ClientStalled,
     EngineHTTPError,
@@ -35,8 +34,9 @@ from ..core.upstream.retry import FirstTokenTimeout
 from ..core.upstream.status import breaker_counts
 from ..fleet.client import EngineClient, Exchange, UpstreamResponse
 from ..fleet.pool import ModelPool, Replica
-from ..settings.load import GatewaySettings
 from ..observe.stats import RequestStats
+from ..settings.load import GatewaySettings
+from .candidate import SHOWN, Candidate, Event, Step
 
 __all__ = ["Attempt"]
 

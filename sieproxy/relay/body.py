@@ -37,19 +37,20 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
+from ..core.errors import GatewayError, InternalError
+from ..core.planning.prepared import Shaper
+from ..core.request.refusal import RequestFields
+from ..fleet.client import EngineClient, Exchange
+from ..fleet.pool import ModelPool, Replica, RouteHints
+from ..observe.stats import RequestStats
+from ..settings.load import GatewaySettings
 from .attempt import Attempt
 from .candidate import Event
 from .channels import take
-from ..core.errors import GatewayError, InternalError
-from ..core.request.refusal import RequestFields
-from ..fleet.client import EngineClient, Exchange
 from .failover import Failover, retry_bodies
 from .inline import InlineReader
-from .merge import Merger, Shaper, buffered
-from ..fleet.pool import ModelPool, Replica, RouteHints
+from .merge import Merger, buffered
 from .pump import Outlet, Pump
-from ..settings.load import GatewaySettings
-from ..observe.stats import RequestStats
 from .timers import WaitTimer, sweep_stalls
 
 if TYPE_CHECKING:

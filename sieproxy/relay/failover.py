@@ -36,8 +36,8 @@ from ..fleet.pool import Replica
 from ..settings.load import GatewaySettings
 
 if TYPE_CHECKING:
-    from .fallback import FallBack, Route
     from ..observe.stats import RequestStats
+    from .fallback import FallBack, Route
 
 __all__ = ["Failover", "retry_bodies", "upstream_of"]
 

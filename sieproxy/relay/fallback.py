@@ -32,11 +32,10 @@ from typing import Any
 import msgspec
 
 from ..core.errors import GatewayError
-from ..core.planning.pipeline import Prepared
+from ..core.planning.prepared import Prepared, Shaper
 from ..core.request.profile import ModelProfile
-from .merge import Shaper
-from ..observe.observer import Observer
 from ..fleet.pool import ModelPool, Replica, RouteHints
+from ..observe.observer import Observer
 from ..settings.schema import Settings, fallback_target
 
 __all__ = ["FallBack", "Fallbacks", "Route", "cause_of", "context_plan", "context_targets"]
@@ -59,7 +58,7 @@ class Route:
 #: The next fallback of a request that failed (cause, the failed replica), or None.
 FallBack = Callable[[str, Replica], Awaitable[Route | None]]
 
-#: Plans the request for a model: ``build_chat`` etc. with everything but ``model`` bound.
+#: Plans the request for a model: its surface's ``prepare`` with everything but ``model`` bound.
 Planner = Callable[[str], Prepared]
 
 

@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import trio
 
-from .attempt import Attempt
-from .candidate import Candidate, Event, Step
 from ..core.errors import EngineHTTPError, EngineUnreachable, GatewayError
 from ..core.upstream.protocol import ExpressLane
 from ..fleet.client import Exchange, UpstreamResponse
+from .attempt import Attempt
+from .candidate import Candidate, Event, Step
 from .pump import Outlet, Pump
 from .timers import Holder, WaitTimer
 

@@ -11,37 +11,18 @@ the engine (an ``UpstreamError`` with a ``refusal``) is said in the request's ow
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Protocol
 
 import trio
 
+from ..core.errors import GatewayError, UpstreamError
+from ..core.planning.prepared import Shaper
+from ..core.request.refusal import RequestFields, explain
+from ..core.shaping.events import CandidateDelta, CandidateFinish
+from ..observe.stats import RequestStats
 from .attempt import Attempt
 from .candidate import Event
-from ..core.errors import GatewayError, UpstreamError
-from ..core.shaping.events import CandidateDelta, CandidateFinish
-from ..core.request.refusal import RequestFields, explain
-from ..observe.stats import RequestStats
 
-__all__ = ["Merger", "Shaper", "buffered"]
-
-
-class Shaper(Protocol):
-    """The sans-IO response builder the body drives (a chat/completions stream or collector)."""
-
-    def start(self) -> bytes: ...
-
-    def on_delta(self, index: int, delta: CandidateDelta) -> bytes: ...
-
-    def on_finish(self, index: int, finish: CandidateFinish) -> bytes: ...
-
-    def on_error(self, err: GatewayError) -> bytes: ...
-
-    def end(self) -> bytes: ...
-
-    #: The core's decisions to end candidates, as they are made: ``(index, cause)``, the
-    #: cause ``"stop"`` (a stop string matched) or ``"best_of"`` (it can no longer be
-    #: returned). The merger acts on them and empties the list.
-    ends: list[tuple[int, str]]
+__all__ = ["Merger", "buffered"]
 
 
 class Merger:

@@ -12,11 +12,12 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from ..core.request.aliases import alias_conflict
-from ..core.upstream.protocol import PROTOCOLS
-from ..core.shaping.reasoning import make_reasoning_parser
 from ..core.planning.template import check_template
+from ..core.request.aliases import alias_conflict
+from ..core.shaping.reasoning import make_reasoning_parser
 from ..core.shaping.toolparse import make_tool_parser
+from ..core.upstream.protocol import PROTOCOLS
+from .keys import load_keys
 from .schema import (
     ROUTING_MODES,
     ConfigError,
@@ -26,7 +27,6 @@ from .schema import (
     Settings,
     fallback_target,
 )
-from .keys import load_keys
 from .tokenizer_dir import read_tokenizer_dir
 
 __all__ = ["check_settings", "parse_engines_file"]

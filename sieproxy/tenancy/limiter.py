@@ -29,7 +29,15 @@ from typing import Any
 
 import trio
 
-from ..core.tenancy.quota import Decision, Limits, RateLimited, TenantCounters, admit, rate_headers, settle
+from ..core.tenancy.quota import (
+    Decision,
+    Limits,
+    RateLimited,
+    TenantCounters,
+    admit,
+    rate_headers,
+    settle,
+)
 from .redis_store import RedisCounters
 
 __all__ = ["REDIS_TIMEOUT", "RETRY_AFTER_DOWN", "Lease", "Limiter"]

@@ -8,8 +8,8 @@ import msgspec
 import pytest
 
 from sieproxy.core.planning.affinity import PREFIX_BLOCK, opening_end, prefix_key
-from sieproxy.core.planning.pipeline import build_chat, build_completion, build_responses
 from sieproxy.core.request.profile import ModelProfile
+from sieproxy.surfaces import CHAT, COMPLETIONS, RESPONSES
 
 from .test_plan import QWEN_TEMPLATE
 
@@ -21,7 +21,7 @@ FALLBACK = {MODEL: ModelProfile(name=MODEL)}  # tools rendered first
 
 def _chat_key(messages: list[dict[str, Any]], profiles: Any = None, **extra: Any) -> str | None:
     raw = msgspec.json.encode({"model": MODEL, "messages": messages, **extra})
-    return build_chat(raw, profiles or TEMPLATED, request_id="r", created=0).prefix_key
+    return CHAT.prepare(raw, profiles or TEMPLATED, request_id="r", created=0).prefix_key
 
 
 def profiles_for() -> dict[str, ModelProfile]:
@@ -82,16 +82,16 @@ def test_fixed_block_without_an_opening() -> None:
 
 def test_completions_and_responses_carry_a_prefix_key() -> None:
     profiles = profiles_for()
-    a = build_completion(
+    a = COMPLETIONS.prepare(
         msgspec.json.encode({"model": MODEL, "prompt": "x" * PREFIX_BLOCK + "a"}),
         profiles, request_id="r", created=0,
     )  # fmt: skip
-    b = build_completion(
+    b = COMPLETIONS.prepare(
         msgspec.json.encode({"model": MODEL, "prompt": "x" * PREFIX_BLOCK + "b"}),
         profiles, request_id="r", created=0,
     )  # fmt: skip
     assert a.prefix_key is not None and a.prefix_key == b.prefix_key
-    resp = build_responses(
+    resp = RESPONSES.prepare(
         msgspec.json.encode({"model": MODEL, "input": "My router blinks red."}),
         profiles, request_id="r", created=0,
     )  # fmt: skip

@@ -18,13 +18,13 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from sieproxy.core.errors import EngineMalformed, GatewayError, RequestError
+from sieproxy.core.request.validate import decode_chat, decode_completion
 from sieproxy.core.shaping.events import CandidateDelta, CandidateFinish
 from sieproxy.core.shaping.merger import ChatStream
 from sieproxy.core.shaping.reasoning import make_reasoning_parser
+from sieproxy.core.shaping.toolparse import make_tool_parser, merge_tool_calls
 from sieproxy.core.upstream.sglang import GenerateReader
 from sieproxy.core.upstream.sse import SSEDecoder
-from sieproxy.core.shaping.toolparse import make_tool_parser, merge_tool_calls
-from sieproxy.core.request.validate import decode_chat, decode_completion
 from tests.core.test_merger import CREATED, chat, check_order_contract, decode
 
 _WS = " \t\r\n"

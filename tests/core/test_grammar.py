@@ -22,10 +22,10 @@ from sieproxy.core.planning.grammar import (
     with_schema_in_prompt,
     with_tools_in_prompt,
 )
-from sieproxy.core.request.profile import ModelProfile
-from sieproxy.core.request.valid import ValidChat
-from sieproxy.core.request.schemas import ChatCompletionRequest
 from sieproxy.core.planning.template import messages_for_template
+from sieproxy.core.request.profile import ModelProfile
+from sieproxy.core.request.schemas import ChatCompletionRequest
+from sieproxy.core.request.valid import ValidChat
 
 WEATHER = {
     "type": "function",

@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 
 from sieproxy.core.errors import EngineTimeout, InvalidRequest
+from sieproxy.core.request.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from sieproxy.core.request.valid import ValidChat, ValidCompletion
 from sieproxy.core.shaping.events import (
     CandidateDelta,
     CandidateFinish,
@@ -24,8 +26,6 @@ from sieproxy.core.shaping.merger import (
     MergerError,
     StreamPhase,
 )
-from sieproxy.core.request.valid import ValidChat, ValidCompletion
-from sieproxy.core.request.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from sieproxy.core.upstream.sglang import GenerateReader
 from sieproxy.core.upstream.sse import SSEDecoder
 

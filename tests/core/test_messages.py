@@ -1,4 +1,4 @@
-"""``POST /v1/messages`` in the core: the contract table through ``build_messages``, the
+"""``POST /v1/messages`` in the core: the contract table through ``MESSAGES.prepare``, the
 mapping to the chat request, the shaper's blocks and events, the error envelope, aliases and
 ``count_tokens``."""
 
@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from sieproxy.core.request.aliases import alias_conflict, resolve_alias
 from sieproxy.core.errors import (
     AuthenticationError,
     EngineTimeout,
@@ -17,19 +16,21 @@ from sieproxy.core.errors import (
     RequestError,
     ServiceUnavailable,
 )
-from sieproxy.core.shaping.events import CandidateDelta, CandidateFinish
-from sieproxy.surfaces.messages.request import PathMap, decode_messages
-from sieproxy.surfaces.messages.shaper import CountShaper, MessagesShaper, error_reply
-from sieproxy.core.planning.pipeline import build_count_tokens, build_messages, find_profile
+from sieproxy.core.planning.prepared import find_profile
+from sieproxy.core.request.aliases import alias_conflict, resolve_alias
 from sieproxy.core.request.profile import ModelProfile
 from sieproxy.core.request.schemas import NamedToolChoice
+from sieproxy.core.shaping.events import CandidateDelta, CandidateFinish
+from sieproxy.surfaces import COUNT_TOKENS, MESSAGES
+from sieproxy.surfaces.messages.request import PathMap, decode_messages
+from sieproxy.surfaces.messages.shaper import CountShaper, MessagesShaper, error_reply
 from tests.contract_cases import PROFILES, Case, body_bytes
 from tests.messages_cases import MESSAGES_CASES, claude_code_body
 
 
 def build(body: dict[str, Any] | bytes, profiles: Any = PROFILES, rid: str = "r1") -> Any:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return build_messages(raw, profiles, request_id=rid, created=1700000000)
+    return MESSAGES.prepare(raw, profiles, request_id=rid, created=1700000000)
 
 
 @pytest.mark.parametrize("case", MESSAGES_CASES, ids=lambda c: c.id)
@@ -349,7 +350,7 @@ def test_count_tokens_prefills_the_same_prompt() -> None:
     gen = build(body)
     for key in ("max_tokens", "stream", "metadata"):
         del body[key]
-    count = build_count_tokens(json.dumps(body).encode(), PROFILES, request_id="c", created=0)
+    count = COUNT_TOKENS.prepare(json.dumps(body).encode(), PROFILES, request_id="c", created=0)
     assert count.bodies[0]["text"] == gen.bodies[0]["text"]
     assert count.bodies[0]["sampling_params"] == {"max_new_tokens": 0}
     s = count.shaper
@@ -358,6 +359,6 @@ def test_count_tokens_prefills_the_same_prompt() -> None:
     s.on_finish(0, CandidateFinish("length", prompt_tokens=40))
     assert json.loads(s.end()) == {"input_tokens": 40}
     with pytest.raises(RequestError) as info:
-        build_count_tokens(json.dumps({**body, "max_tokens": 5}).encode(), PROFILES,
+        COUNT_TOKENS.prepare(json.dumps({**body, "max_tokens": 5}).encode(), PROFILES,
                            request_id="c", created=0)  # fmt: skip
     assert info.value.param == "max_tokens"

@@ -10,19 +10,19 @@ import msgspec
 import pytest
 
 from sieproxy.core.errors import EngineMalformed, EngineStreamError, EngineTruncated
+from sieproxy.core.request.profile import ModelProfile
+from sieproxy.core.request.valid import ValidChat
+from sieproxy.core.request.validate import check_chat, decode_chat
 from sieproxy.core.shaping.events import CandidateDelta, CandidateFinish, ToolCallDelta
 from sieproxy.core.shaping.merger import ChatCollector, ChatStream
+from sieproxy.core.upstream.openai import OPENAI
 from sieproxy.core.upstream.openai_chat import (
     OpenAIChatReader,
     chat_request,
     opening_key,
     plan_engine_chat,
 )
-from sieproxy.core.upstream.openai import OPENAI
-from sieproxy.core.request.profile import ModelProfile
-from sieproxy.core.request.valid import ValidChat
 from sieproxy.core.upstream.sglang import SGLANG
-from sieproxy.core.request.validate import check_chat, decode_chat
 
 PROFILE = ModelProfile(
     name="m", render="engine", stop=("<|end|>",), inputs=frozenset({"text", "image"}),

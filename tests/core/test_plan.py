@@ -18,8 +18,8 @@ from sieproxy.core.planning.plan import (
     plan_completion,
 )
 from sieproxy.core.request.profile import ModelProfile
-from sieproxy.core.request.valid import ImageInput, ValidChat, ValidCompletion
 from sieproxy.core.request.schemas import ChatCompletionRequest, CompletionRequest
+from sieproxy.core.request.valid import ImageInput, ValidChat, ValidCompletion
 
 QWEN_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

@@ -287,7 +287,7 @@ async def test_full_then_waits_for_room(autojump_clock: trio.abc.Clock) -> None:
 async def test_capacity_counts_every_candidate_of_a_request(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    """A replica holds at most replica_max_inflight candidates (pool.py docstring).
+    """A replica holds at most replica_max_inflight candidates (fleet/pool.py docstring).
 
     With 3 of 4 slots used, an n=4 request must wait (and here get 503), not push the replica
     to 7 candidates.

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from sieproxy.core.upstream import sglang
 from sieproxy.core.errors import EngineMalformed, EngineTruncated
 from sieproxy.core.shaping.events import CandidateDelta, CandidateFinish
 from sieproxy.core.shaping.merger import ChatStream
+from sieproxy.core.upstream import sglang
 from sieproxy.core.upstream.protocol import PROTOCOLS, protocol_for
 from sieproxy.core.upstream.sse import SSEDecoder
 

@@ -10,8 +10,13 @@ import pytest
 from sieproxy.core.errors import EngineAborted, EngineStreamError, GatewayError
 from sieproxy.core.request.profile import ModelProfile
 from sieproxy.core.request.refusal import Refusal, RequestFields, classify, engine_message, explain
+from sieproxy.core.request.validate import (
+    check_chat,
+    check_completion,
+    decode_chat,
+    decode_completion,
+)
 from sieproxy.core.upstream.sglang import GenerateReader
-from sieproxy.core.request.validate import check_chat, check_completion, decode_chat, decode_completion
 
 CHAT = RequestFields()
 CMPL = RequestFields(prompt="prompt")

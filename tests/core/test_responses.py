@@ -1,4 +1,4 @@
-"""``POST /v1/responses`` in the core: the contract table through ``build_responses``, the
+"""``POST /v1/responses`` in the core: the contract table through ``RESPONSES.prepare``, the
 mapping to the chat request, and the shaper's items and events."""
 
 from __future__ import annotations
@@ -10,19 +10,19 @@ import msgspec
 import pytest
 
 from sieproxy.core.errors import EngineTimeout, InternalError, RequestError
-from sieproxy.core.shaping.events import CandidateDelta, CandidateFinish
-from sieproxy.core.planning.pipeline import build_responses
 from sieproxy.core.request.profile import ModelProfile
+from sieproxy.core.request.schemas import NamedToolChoice
+from sieproxy.core.shaping.events import CandidateDelta, CandidateFinish
+from sieproxy.surfaces import RESPONSES
 from sieproxy.surfaces.responses.request import PathMap, decode_responses
 from sieproxy.surfaces.responses.shaper import ResponsesShaper
-from sieproxy.core.request.schemas import NamedToolChoice
 from tests.contract_cases import PROFILES, Case, body_bytes
 from tests.responses_cases import RESPONSES_CASES
 
 
 def build(body: dict[str, Any] | bytes, rid: str = "r1") -> Any:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return build_responses(raw, PROFILES, request_id=rid, created=1700000000)
+    return RESPONSES.prepare(raw, PROFILES, request_id=rid, created=1700000000)
 
 
 @pytest.mark.parametrize("case", RESPONSES_CASES, ids=lambda c: c.id)
@@ -114,7 +114,7 @@ TOOLS = [{"type": "function", "name": "get_weather", "parameters": {"type": "obj
 
 def shaper(stream: bool, **fields: Any) -> ResponsesShaper:
     body = {"model": "tools-model", "input": "hi", "stream": stream, **fields}
-    prepared = build_responses(
+    prepared = RESPONSES.prepare(
         json.dumps(body).encode(), SHAPER_PROFILES, request_id="r1", created=5
     )
     assert isinstance(prepared.shaper, ResponsesShaper)

@@ -1,5 +1,5 @@
-"""The retry table (sieproxy/core/upstream/retry.py): every failure kind, its moves and their bounds, the
-jittered backoff, and Retry-After in both of its forms."""
+"""The retry table (sieproxy/core/upstream/retry.py): every failure kind, its moves and their
+bounds, the jittered backoff, and Retry-After in both of its forms."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A malformed event in SGLang's cumulative stream is skipped (sieproxy/core/upstream/sglang.py): the
-next chunk repeats the whole state, so the client loses nothing; in incremental mode, past
+"""A malformed event in SGLang's cumulative stream is skipped (sieproxy/core/upstream/sglang.py):
+the next chunk repeats the whole state, so the client loses nothing; in incremental mode, past
 ``MAX_SKIPPED``, or where the lost chunk was the finish, it is the stream's error."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from sieproxy.core.upstream import sglang
 from sieproxy.core.errors import EngineMalformed, EngineTruncated
 from sieproxy.core.shaping.events import CandidateDelta, CandidateFinish
+from sieproxy.core.upstream import sglang
 
 BAD = b'data: {"text": "oops", "meta_info": {"id": \n\n'
 

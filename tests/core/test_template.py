@@ -11,9 +11,6 @@ import msgspec
 import pytest
 
 from sieproxy.core.errors import InternalError, InvalidRequest
-from sieproxy.core.request.profile import ModelProfile
-from sieproxy.core.request.valid import ValidChat
-from sieproxy.core.request.schemas import ChatCompletionRequest
 from sieproxy.core.planning.template import (
     DEFAULT_IMAGE_PLACEHOLDER,
     check_template,
@@ -23,6 +20,9 @@ from sieproxy.core.planning.template import (
     template_renders_tools,
     template_takes_content_parts,
 )
+from sieproxy.core.request.profile import ModelProfile
+from sieproxy.core.request.schemas import ChatCompletionRequest
+from sieproxy.core.request.valid import ValidChat
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "templates"
 QWEN25 = (DATA / "qwen25.jinja").read_text()

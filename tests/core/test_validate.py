@@ -9,13 +9,18 @@ from typing import Any
 import msgspec
 import pytest
 
-from sieproxy.core.request import validate
 from sieproxy.core.errors import InvalidRequest, RequestError, UnsupportedField
+from sieproxy.core.request import validate
 from sieproxy.core.request.images import decode_image_uri
 from sieproxy.core.request.profile import ModelProfile
-from sieproxy.core.request.valid import ValidChat, ValidCompletion
 from sieproxy.core.request.schemas import CHAT_KNOWN_REJECTED, COMPLETIONS_KNOWN_REJECTED
-from sieproxy.core.request.validate import check_chat, check_completion, decode_chat, decode_completion
+from sieproxy.core.request.valid import ValidChat, ValidCompletion
+from sieproxy.core.request.validate import (
+    check_chat,
+    check_completion,
+    decode_chat,
+    decode_completion,
+)
 from tests.contract_cases import (
     CASES,
     PNG_B64,

@@ -25,6 +25,7 @@ from sieproxy.settings.load import (
     Settings,
     env_fast_paths,
 )
+from sieproxy.surfaces import SURFACES, Surface
 
 MODEL = "test-model"
 
@@ -163,6 +164,7 @@ async def running_gateway(
     settings_hook: Callable[[Settings], None] | None = None,
     wait_ready: bool = True,
     protocol: str = "sglang",
+    surfaces: tuple[Surface, ...] = SURFACES,
     **gateway: Any,
 ) -> AsyncIterator[Gateway]:
     if engines is None:
@@ -174,7 +176,7 @@ async def running_gateway(
         settings = settings_for(ports, protocol, **gateway)
         if settings_hook is not None:
             settings_hook(settings)
-        async with _serving(settings, engines, wait_ready) as gw:
+        async with _serving(settings, engines, wait_ready, surfaces) as gw:
             yield gw
         nursery.cancel_scope.cancel()
 
@@ -189,10 +191,13 @@ async def another_gateway(gw: Gateway) -> AsyncIterator[Gateway]:
 
 @contextlib.asynccontextmanager
 async def _serving(
-    settings: Settings, engines: list[FakeEngine], wait_ready: bool
+    settings: Settings,
+    engines: list[FakeEngine],
+    wait_ready: bool,
+    surfaces: tuple[Surface, ...] = SURFACES,
 ) -> AsyncIterator[Gateway]:
     async with trio.open_nursery() as nursery:
-        app = build_app(settings)
+        app = build_app(settings, surfaces)
         stop = trio.Event()
         binds = await nursery.start(partial(serve, settings, shutdown_trigger=stop, app=app))
         url = binds[0]

@@ -11,9 +11,9 @@ from typing import Any
 import msgspec
 import trio
 
-from sieproxy.fleet.cache_route import CacheAwarePolicy, Route
 from sieproxy.core.planning.affinity import prefix_key
 from sieproxy.core.routing.kvindex import EventStream
+from sieproxy.fleet.cache_route import CacheAwarePolicy, Route
 from sieproxy.fleet.pool import ModelPool, Replica, RouteHints
 from sieproxy.settings.load import EngineSpec, GatewaySettings, ModelSettings
 

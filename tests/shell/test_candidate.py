@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import trio
 
-from sieproxy.relay.candidate import SHOWN, TRANSITIONS, Candidate, Phase, Step
 from sieproxy.core.errors import EngineTruncated, GatewayError
 from sieproxy.core.shaping.events import CandidateDelta, CandidateFinish
+from sieproxy.relay.candidate import SHOWN, TRANSITIONS, Candidate, Phase, Step
 
 LIVE = (Phase.NEW, Phase.SENT, Phase.STREAMING)
 ENDED = (Phase.FINISHED, Phase.STOPPED, Phase.CANCELLED, Phase.FAILED)

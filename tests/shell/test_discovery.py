@@ -3,8 +3,8 @@ drains replicas without dropping a stream; an engines file's change applies; a r
 what the names resolved to.
 
 The fake engines listen on one port at different loopback addresses (127.0.0.1, .2, .3), and
-the resolver is scripted (``sieproxy.fleet.discovery.resolve`` replaced), so a name "resolves" to any
-subset of them.
+the resolver is scripted (``sieproxy.fleet.discovery.resolve`` replaced), so a name "resolves"
+to any subset of them.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ import pytest
 import trio
 import trustme
 
-from sieproxy.fleet import client as engine_client
 from sieproxy.core.errors import EngineHTTPError, EngineTruncated, EngineUnreachable
+from sieproxy.fleet import client as engine_client
 from sieproxy.fleet.client import EngineClient
 from sieproxy.settings.load import GatewaySettings
 

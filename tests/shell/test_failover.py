@@ -1,6 +1,6 @@
 """The fault matrix, failover part: engine failures the gateway recovers from before the first
-byte (the retry table, sieproxy/core/upstream/retry.py; sieproxy/relay/failover.py), through both upstream
-protocols.
+byte (the retry table, sieproxy/core/upstream/retry.py; sieproxy/relay/failover.py), through
+both upstream protocols.
 
 Each case states what the client sees, how many upstream attempts were made (the fake engine's
 records) and how long it took. Helpers and conventions are test_faults.py's: a request names

@@ -448,7 +448,7 @@ HANGS: list[tuple[str, Fault, bool]] = [
 async def test_engine_hang_times_out_and_aborts(
     fault: Fault, after_chunk: bool, n: int, protocol: str
 ) -> None:
-    """token_gap_timeout covers the time to the first token too (settings_schema.py), so a hang
+    """token_gap_timeout covers the time to the first token too (settings/schema.py), so a hang
     anywhere ends the request within a bounded time and aborts the hung rid upstream (n = 1:
     the response task's own reads; n = 2: each candidate task's)."""
     engine = fake(protocol, faulty(Plan(TOKENS, fault=fault)))

@@ -340,8 +340,8 @@ def test_body_and_header_timeouts_are_hard_coded() -> None:
 
 @pytest.fixture
 def short_timeouts(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    def app_with_short_body_timeout(state: Any) -> Any:
-        app = create_app(state)
+    def app_with_short_body_timeout(state: Any, surfaces: Any) -> Any:
+        app = create_app(state, surfaces)
         app.config["BODY_TIMEOUT"] = 2
         return app
 

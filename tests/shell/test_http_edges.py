@@ -558,7 +558,7 @@ async def test_error_bodies_are_bare_envelopes() -> None:
 async def test_generation_requests_skip_quarts_request_handling(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """POST on the two generation routes is answered from the ASGI scope (app.py), errors
+    """POST on the two generation routes is answered from the ASGI scope (front/app.py), errors
     included; every other request still goes through Quart."""
     from sieproxy.front.app import GatewayApp
 
@@ -617,12 +617,12 @@ async def test_a_mounted_gateway_serves_generation_under_its_root_path(
 async def test_an_unexpected_failure_before_the_response_is_a_500_envelope(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import sieproxy.front.intake
+    from sieproxy.surfaces.chat import ChatSurface
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a bug in planning")
 
-    monkeypatch.setattr(sieproxy.front.intake, "build_chat", broken)
+    monkeypatch.setattr(ChatSurface, "prepare", broken)
     caplog.set_level("INFO", logger="sieproxy.access")
 
     def log_on(settings: Settings) -> None:

@@ -212,7 +212,8 @@ def test_install_and_the_asgi_entry_point(monkeypatch: pytest.MonkeyPatch, tmp_p
     cfg = tmp_path / "g.toml"
     cfg.write_text('[models.m]\nengines = ["http://127.0.0.1:9"]\nchat_template = "x"\n')
     monkeypatch.setenv("SIEPROXY_CONFIG", str(cfg))
-    monkeypatch.setattr("sieproxy.operations.serve.tune_gc", lambda: None)  # not in the test process
+    # not in the test process
+    monkeypatch.setattr("sieproxy.operations.serve.tune_gc", lambda: None)
     import sieproxy.asgi
 
     importlib.reload(sieproxy.asgi)

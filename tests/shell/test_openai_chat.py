@@ -14,8 +14,8 @@ import pytest
 import trio
 
 from engine.fake import Call, FakeEngine, Plan, default_tokens
-from sieproxy.settings.load import EngineSpec, ModelSettings, Settings
 from sieproxy.settings.checks import check_settings
+from sieproxy.settings.load import EngineSpec, ModelSettings, Settings
 from sieproxy.settings.schema import ConfigError
 
 from .harness import MODEL, TEMPLATE, running_gateway

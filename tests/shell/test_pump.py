@@ -27,8 +27,8 @@ import trio
 import trio.testing
 
 from engine.fake import FakeEngine, Fault, Plan
-from sieproxy.front import hypercorn_io
 from sieproxy.core.upstream.sglang import Express
+from sieproxy.front import hypercorn_io
 from sieproxy.relay.merge import Merger
 from sieproxy.relay.pump import Pump
 

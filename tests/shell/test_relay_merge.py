@@ -19,13 +19,13 @@ import pytest
 import trio
 import trio.testing
 
-from sieproxy.relay.attempt import Attempt
-from sieproxy.relay.candidate import Candidate
 from sieproxy.core.errors import EngineTimeout, EngineTruncated
 from sieproxy.core.shaping.events import CandidateDelta, CandidateFinish
 from sieproxy.core.shaping.merger import ChatStream
 from sieproxy.fleet.pool import ModelPool, RouteHints
+from sieproxy.relay.attempt import Attempt
 from sieproxy.relay.body import GenerationBody, RequestStats, WaitTimer
+from sieproxy.relay.candidate import Candidate
 from sieproxy.settings.load import EngineSpec, GatewaySettings
 from tests.core.test_merger import CREATED, chat, decode
 

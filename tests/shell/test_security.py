@@ -17,8 +17,8 @@ import trio
 
 import sieproxy.front.auth
 from engine.fake import Call, DefaultScript, FakeEngine, Fault, Plan, abort_finish
-from sieproxy.front.auth import Authenticator
 from sieproxy.core.errors import AuthenticationError
+from sieproxy.front.auth import Authenticator
 from sieproxy.settings.load import Settings
 
 from .harness import MODEL, host_port, running_gateway, sse_events

@@ -15,8 +15,8 @@ import trio
 import trio.testing
 
 from engine.fake import FakeEngine, Fault, Plan
-from sieproxy.relay.inline import InlineReader
 from sieproxy.relay.body import WaitTimer
+from sieproxy.relay.inline import InlineReader
 
 from .harness import running_gateway
 from .test_faults import (

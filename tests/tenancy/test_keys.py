@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from sieproxy.front.auth import Authenticator
 from sieproxy.cli import main
 from sieproxy.core.errors import AuthenticationError
 from sieproxy.core.tenancy.quota import Limits
-from sieproxy.settings.load import ConfigError, load_settings
+from sieproxy.front.auth import Authenticator
 from sieproxy.settings.keys import parse_keys
+from sieproxy.settings.load import ConfigError, load_settings
 from tests.tenancy.conftest import key_line, write_keys
 
 SERVED = {"m1", "m2"}

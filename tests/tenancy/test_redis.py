@@ -7,9 +7,9 @@ from __future__ import annotations
 import trio
 
 from sieproxy.core.tenancy.quota import Limits, RateLimited
+from sieproxy.front.tenants import redis_client
 from sieproxy.tenancy.limiter import Limiter
 from sieproxy.tenancy.redis_store import RedisCounters
-from sieproxy.front.tenants import redis_client
 from tests.tenancy.conftest import RedisServer
 
 

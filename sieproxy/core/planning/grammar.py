@@ -42,9 +42,9 @@ Decisions
 
 Tools in the prompt (:func:`with_tools_in_prompt`)
     A model whose chat template never reads ``tools`` (SmolLM2's) would not see them. For such a
-    template (see :func:`sieproxy.core.planning.template.template_renders_tools`) the gateway shows the
-    template's tools in a :func:`tools_section`, placed like the response-format section below
-    (appended to the first system message, or a new first system message). The section lists
+    template (see :func:`sieproxy.core.planning.template.template_renders_tools`) the gateway
+    shows the template's tools in a :func:`tools_section`, placed like the response-format section
+    below (appended to the first system message, or a new first system message). The section lists
     each function as compact JSON and, when the request's parser has a known format
     (:data:`TOOL_CALL_FORMATS`), one example call of the first tool in that format: the
     JSON-array form when the call is forced, the profile's ``tool_parser`` format under
@@ -84,8 +84,8 @@ from typing import Any
 
 from ..errors import InvalidRequest
 from ..request.profile import ModelProfile
-from ..request.valid import ValidChat
 from ..request.schemas import NamedToolChoice, Tool
+from ..request.valid import ValidChat
 
 __all__ = [
     "JSON_ARRAY_PARSER",

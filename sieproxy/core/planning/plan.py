@@ -39,17 +39,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .affinity import opening_end, prefix_key
 from ..errors import InvalidRequest
+from ..request.profile import ModelProfile
+from ..request.schemas import ChatCompletionRequest, CompletionRequest
+from ..request.valid import ValidChat, ValidCompletion
+from .affinity import opening_end, prefix_key
 from .grammar import (
     response_format_constraint,
     tool_plan,
     with_schema_in_prompt,
     with_tools_in_prompt,
 )
-from ..request.profile import ModelProfile
-from ..request.valid import ValidChat, ValidCompletion
-from ..request.schemas import ChatCompletionRequest, CompletionRequest
 from .template import messages_for_template, render_chat, template_renders_tools
 
 __all__ = [

@@ -45,7 +45,8 @@ A template source that does not compile is the operator's error: configuration l
 :func:`check_template` to refuse it at startup (should one reach a render anyway, it is a 500
 ``InternalError``).
 
-Which tools the template sees (``tools``) is decided by :func:`sieproxy.core.planning.grammar.tool_plan`
+Which tools the template sees (``tools``) is decided by
+:func:`sieproxy.core.planning.grammar.tool_plan`
 (OpenAI ``{"type": "function", "function": {...}}`` dicts, or ``None``). A template that never
 reads the ``tools`` variable (:func:`template_renders_tools` is false: SmolLM2's) gets them shown
 in a system-message section instead (:func:`sieproxy.core.planning.grammar.with_tools_in_prompt`).
@@ -72,8 +73,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import InternalError, InvalidRequest
 from ..request.profile import ModelProfile
-from ..request.valid import ValidChat
 from ..request.schemas import ChatMessage, ImagePart, InputImagePart, InputTextPart, TextPart
+from ..request.valid import ValidChat
 
 __all__ = [
     "DEFAULT_IMAGE_PLACEHOLDER",

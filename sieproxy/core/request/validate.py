@@ -72,7 +72,6 @@ from ..errors import InvalidRequest, RequestError, UnsupportedField
 from .images import decode_image_uri
 from .profile import ModelProfile
 from .refusal import logit_bias_out_of_vocab, max_tokens_over_context
-from .valid import ImageInput, ValidChat, ValidCompletion
 from .schemas import (
     CHAT_KNOWN_REJECTED,
     COMPLETIONS_KNOWN_REJECTED,
@@ -85,6 +84,7 @@ from .schemas import (
     chat_request_decoder,
     completion_request_decoder,
 )
+from .valid import ImageInput, ValidChat, ValidCompletion
 
 __all__ = [
     "MAX_CANDIDATES",

@@ -57,14 +57,14 @@ from collections.abc import Sequence
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
-from . import bestof
-from .choice import ChoiceState, ChoiceStateError, ReasoningFactory, ToolCallFactory
 from ..errors import GatewayError, InternalError
-from .events import CandidateDelta, CandidateFinish, ChoiceDelta, ToolCallDelta
-from .logprobs import LogprobContent, content_entries
 from ..request.refusal import best_of_without_logprobs
 from ..request.valid import ValidChat, ValidCompletion
 from ..upstream.sse import DONE_FRAME
+from . import bestof
+from .choice import ChoiceState, ChoiceStateError, ReasoningFactory, ToolCallFactory
+from .events import CandidateDelta, CandidateFinish, ChoiceDelta, ToolCallDelta
+from .logprobs import LogprobContent, content_entries
 
 __all__ = [
     "ChatCollector",

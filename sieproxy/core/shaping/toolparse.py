@@ -1,6 +1,7 @@
 """Incremental tool-call parsers: model output text → content + OpenAI tool-call deltas.
 
-One parser instance per choice. Each implements :class:`~sieproxy.core.shaping.events.ToolCallParser`:
+One parser instance per choice. Each implements
+:class:`~sieproxy.core.shaping.events.ToolCallParser`:
 ``feed(text)`` / ``flush()`` return ``(content, deltas)`` and ``calls`` counts the calls started.
 
 Formats

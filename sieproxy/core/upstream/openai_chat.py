@@ -58,13 +58,19 @@ from typing import Any
 
 import msgspec
 
-from ..planning.affinity import prefix_key
 from ..errors import EngineMalformed, EngineTruncated, GatewayError
-from ..shaping.events import CandidateDelta, CandidateFinish, TokenLogprob, ToolCallDelta, TopLogprob
+from ..planning.affinity import prefix_key
 from ..planning.plan import ChatPlan, candidate_seed, merge_stops
 from ..request.profile import ModelProfile
 from ..request.refusal import engine_stream_error
 from ..request.valid import ValidChat
+from ..shaping.events import (
+    CandidateDelta,
+    CandidateFinish,
+    TokenLogprob,
+    ToolCallDelta,
+    TopLogprob,
+)
 from .sse import SSEDecoder
 
 __all__ = [

@@ -86,16 +86,16 @@ from typing import Any
 
 import msgspec
 
-from ..shaping.choice import ChoicePhase, ChoiceState
 from ..errors import (
     EngineAborted,
     EngineMalformed,
     EngineTruncated,
     GatewayError,
 )
+from ..request.refusal import classify, engine_stream_error
+from ..shaping.choice import ChoicePhase, ChoiceState
 from ..shaping.events import CandidateDelta, CandidateFinish, TokenLogprob, TopLogprob
 from ..shaping.merger import StreamPhase, StreamShaper
-from ..request.refusal import classify, engine_stream_error
 from .sse import SSEDecoder
 
 __all__ = [

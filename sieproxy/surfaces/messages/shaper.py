@@ -47,10 +47,10 @@ from typing import Any
 
 import msgspec
 
-from ...core.shaping.choice import ChoiceState, ReasoningFactory, ToolCallFactory
 from ...core.errors import GatewayError, InternalError
-from ...core.shaping.events import CandidateDelta, CandidateFinish, ChoiceDelta, ToolCallDelta
 from ...core.request.valid import ValidChat
+from ...core.shaping.choice import ChoiceState, ReasoningFactory, ToolCallFactory
+from ...core.shaping.events import CandidateDelta, CandidateFinish, ChoiceDelta, ToolCallDelta
 
 __all__ = ["CountShaper", "MessagesShaper", "error_body", "error_reply", "error_type"]
 

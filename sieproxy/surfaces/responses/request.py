@@ -60,7 +60,12 @@ from ...core.request.schemas import (
     Tool,
     ToolCall,
 )
-from ...core.request.validate import check_chat_request, decode_body, is_json_object, validation_error
+from ...core.request.validate import (
+    check_chat_request,
+    decode_body,
+    is_json_object,
+    validation_error,
+)
 
 __all__ = [
     "RESPONSES_KNOWN_REJECTED",

@@ -49,10 +49,10 @@ from typing import Any
 
 import msgspec
 
-from ...core.shaping.choice import ChoiceState, ReasoningFactory, ToolCallFactory
 from ...core.errors import GatewayError, InternalError
-from ...core.shaping.events import CandidateDelta, CandidateFinish, ChoiceDelta, ToolCallDelta
 from ...core.request.valid import ValidChat
+from ...core.shaping.choice import ChoiceState, ReasoningFactory, ToolCallFactory
+from ...core.shaping.events import CandidateDelta, CandidateFinish, ChoiceDelta, ToolCallDelta
 from .request import ResponsesRequest, RFormatText, RNamedTool
 
 __all__ = ["ResponsesShaper"]

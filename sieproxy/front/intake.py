@@ -266,7 +266,11 @@ async def _send_error(
     """``err`` in ``surface``'s envelope, whole; ``close``: the connection closes after it (an
     error answered before the request body was read)."""
     status, extra, data = surface.error(err)
-    headers = [(b"content-type", _JSON_CT_B), (b"x-request-id", request_id.encode("latin-1"))]
+    headers = [
+        (b"content-type", _JSON_CT_B),
+        (b"content-length", str(len(data)).encode("latin-1")),
+        (b"x-request-id", request_id.encode("latin-1")),
+    ]
     headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
     if close:
         headers.append((b"connection", b"close"))

@@ -5,7 +5,7 @@ Hypercorn's Trio worker, configured as ``sieproxy serve`` configures it: its cli
 (``sieproxy.hypercorn_io``), its framing of streamed bodies (``body_writer``, as the gateway
 sends them) and the serving process's garbage-collector tuning. Each ``POST`` is forwarded to
 the same path on the engine through the gateway's own upstream client
-(``sieproxy.engine_client``), and the engine's response body — already OpenAI chunks — is
+(``sieproxy.fleet.client``), and the engine's response body — already OpenAI chunks — is
 relayed verbatim, one write per upstream read; while a response waits for the engine, the
 gateway's relay pump (``sieproxy.pump``) writes what arrives, as it does for the gateway's
 ``n`` = 1 streams. No validation, planning, SSE decoding or shaping: what remains is the cost

@@ -199,7 +199,7 @@ class EngineHTTPError(UpstreamError):
     def __init__(self, message: str, *, engine_status: int, **kw: Any) -> None:
         super().__init__(message, **kw)
         self.engine_status = engine_status
-        if engine_status in (400, 413, 422):  # the table: core/upstream_status.py
+        if engine_status in (400, 413, 422):  # the table: core/upstream/status.py
             # The engine refused the request itself (e.g. prompt longer than the context).
             self.status = 400
             self.type = "invalid_request_error"

@@ -1,10 +1,10 @@
 """The upstream HTTP client: SGLang's native API on Trio.
 
-This module and ``sieproxy.upstream_http`` are the one boundary where transport exceptions
+This module and ``sieproxy.fleet.connection`` are the one boundary where transport exceptions
 become core errors. Two clients live here:
 
 * **The generation path** (``/generate`` streams and ``/abort_request``) uses the gateway's own
-  HTTP/1.1 connection pool: its connections and exchanges are ``sieproxy.upstream_http`` (which
+  HTTP/1.1 connection pool: its connections and exchanges are ``sieproxy.fleet.connection`` (which
   says why it exists), pooled here. It keeps what the hot path needs and nothing else:
   keep-alive reuse (LIFO, idle connections checked for a peer close before reuse and dropped
   after ``_IDLE_EXPIRY`` seconds, below uvicorn's 5 s keep-alive default), a cap on connections

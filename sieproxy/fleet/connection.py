@@ -384,7 +384,7 @@ def _status_error(status: int, body: bytes = b"") -> EngineHTTPError:
     else:
         msg = f"The engine answered with HTTP {status}."
     err = EngineHTTPError(msg, engine_status=status)
-    if status in REFUSALS:  # answered as the client's 400 (core/upstream_status.py)
+    if status in REFUSALS:  # answered as the client's 400 (core/upstream/status.py)
         try:
             obj = msgspec.json.decode(body) if body else None
         except msgspec.DecodeError:

@@ -1,7 +1,7 @@
 """Settings: one typed table, loaded from a TOML file, overridden by environment variables.
 
-The table is ``sieproxy.settings_schema`` (every field with its default); a bad file fails at
-start with a message naming the file, the key and the problem (``sieproxy.settings_check``).
+The table is ``sieproxy.settings.schema`` (every field with its default); a bad file fails at
+start with a message naming the file, the key and the problem (``sieproxy.settings.checks``).
 This module loads, applies the environment, checks, and exports all of it.
 
 Environment overrides (applied after the file):

@@ -2,7 +2,7 @@
 
 Every field has a documented default (see docs/CONFIGURATION.md, which mirrors this module).
 Unknown keys are errors (``forbid_unknown_fields``). Loading and environment overrides are
-``sieproxy.settings``; the checks of every value, ``sieproxy.settings_check``.
+``sieproxy.settings``; the checks of every value, ``sieproxy.settings.checks``.
 """
 
 from __future__ import annotations

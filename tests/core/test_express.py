@@ -1,4 +1,4 @@
-"""The express lane (``core.sglang``) against the general path it short-cuts.
+"""The express lane (``core.upstream.sglang``) against the general path it short-cuts.
 
 The general path of one engine read is what the relay does with it (``relay._events`` and
 ``_merge``): SSE events → ``GenerateReader.feed`` → the shaper's ``on_delta`` / ``on_finish``, up

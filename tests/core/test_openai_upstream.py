@@ -1,4 +1,4 @@
-"""The OpenAI-compatible protocol (``core.openai_upstream``): the request it makes of a planned
+"""The OpenAI-compatible protocol (``core.upstream.openai``): the request it makes of a planned
 body, and its reader of ``text_completion`` streams."""
 
 from __future__ import annotations

@@ -321,7 +321,7 @@ async def test_https_engine_with_an_untrusted_certificate_is_unreachable(ca: tru
         await c.aclose()
 
 
-# ---- plain TCP reads and writes go to the descriptor directly (upstream_http.Conn) -----------
+# ---- plain TCP reads and writes go to the descriptor directly (fleet.connection.Conn) -----------
 
 
 async def test_a_request_larger_than_the_socket_buffers_is_sent_whole() -> None:

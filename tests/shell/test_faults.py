@@ -1,7 +1,7 @@
 """The fault matrix: every engine fault and every client misbehaviour, end to end, through
 each upstream protocol and rendering (``protocol``: ``sglang``, the native ``/generate``;
 ``openai``, an OpenAI-compatible engine's ``/v1/completions`` with the prompt the gateway
-rendered, ``core.openai_upstream``; ``openai-chat``, its ``/v1/chat/completions`` with the
+rendered, ``core.upstream.openai``; ``openai-chat``, its ``/v1/chat/completions`` with the
 messages, the engine rendering, ``core.openai_chat``).
 
 Each case asserts what the client got (a proper status before any chunk, or a 200 whose SSE

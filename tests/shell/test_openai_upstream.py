@@ -1,5 +1,5 @@
 """The gateway in front of an OpenAI-compatible engine (``protocol = "openai"``,
-``core.openai_upstream``): the fake engine's ``/v1/completions`` mode, with the same scripts and
+``core.upstream.openai``): the fake engine's ``/v1/completions`` mode, with the same scripts and
 faults as its native ``/generate``. The fault matrix and the disconnect tests run through both
 protocols in ``test_faults``; this module has what is the OpenAI protocol's own."""
 

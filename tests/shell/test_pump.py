@@ -244,7 +244,7 @@ class _Counts:
     parks: int = 0
     carried: int = 0  # chunks the pump wrote to a client
     handed: int = 0  # a write the pump left for the response task
-    express: int = 0  # reads the express lane took (core.sglang)
+    express: int = 0  # reads the express lane took (core.upstream.sglang)
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ An engine closes idle keep-alive connections (uvicorn after 5 s); the gateway's 
 narrows the window, but a request can still be written on a connection the engine is closing.
 It then gets no byte back: it is written once more on a fresh connection to the same engine
 before any retry rule applies, and never reported as a malformed response
-(``sieproxy.upstream_http``). A connection that closes mid-response is named as such.
+(``sieproxy.fleet.connection``). A connection that closes mid-response is named as such.
 """
 
 from __future__ import annotations

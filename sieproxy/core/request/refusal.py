@@ -4,7 +4,7 @@ An engine refuses a request it cannot run — a prompt longer than the context, 
 would overflow it, a grammar it cannot compile, a ``logit_bias`` id outside the vocabulary — with
 a 400 (before the stream) or a 4xx in the stream (an ``error`` object, or an abort finish reason
 with a status code). Its text is never echoed to a client. The boundaries that meet it
-(``sieproxy.engine_client`` for the status line, ``core.sglang`` for the stream) call
+(``sieproxy.fleet.client`` for the status line, ``core.upstream.sglang`` for the stream) call
 :func:`classify` once, which matches the text against :data:`_TABLE` — the patterns of SGLang's
 ``TokenizerManager`` / scheduler messages and of the CPU engine, which uses the same wording —
 and keeps only the kind and the numbers. The relay then calls :func:`explain` with the request's

@@ -200,7 +200,7 @@ class ChoiceState:
         self._reasoning = reasoning() if reasoning is not None else None
         self._tools = tools() if tools is not None else None
         #: Every stage passes text through unchanged (see the module docstring; read by the
-        #: express lane, ``core.sglang``).
+        #: express lane, ``core.upstream.sglang``).
         self.plain = not (self._stop.stops or reasoning or tools or collect)
         self._pending: list[TokenLogprob] = []
         self._hiding = False  # the last output was hidden reasoning

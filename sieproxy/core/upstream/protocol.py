@@ -16,7 +16,7 @@ that engine's protocol. An :class:`EngineProtocol` says, for one protocol:
   may still be generating, or ``None`` where closing the upstream connection is the abort;
 - **the probes**: the health path, and the info paths read once a replica is healthy.
 
-The shell (``relay``, ``engine_client``, ``pool``) only ever goes through this interface; each
+The shell (``relay``, ``fleet.client``, ``pool``) only ever goes through this interface; each
 protocol is one module of the core, registered in :data:`PROTOCOLS` by its configuration name.
 Nothing here does I/O.
 """

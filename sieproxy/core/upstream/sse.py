@@ -61,7 +61,7 @@ class SSEDecoder:
     def at_rest(self) -> bool:
         """True between whole events: past the first line, no partial line or event held, no
         CR waiting for its LF, not failed. Only then may a reader take a read of whole events
-        without this decoder (the express lane, ``core.sglang``)."""
+        without this decoder (the express lane, ``core.upstream.sglang``)."""
         return not (
             self._buf or self._data or self._skip_lf or self._first_line or self._broken
         )

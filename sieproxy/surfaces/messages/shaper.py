@@ -7,7 +7,7 @@ Theory of operation
 owns the request's one :class:`~.choice.ChoiceState` (stop strings ▸ reasoning ▸ tool calls, as
 on chat) and turns what it makes visible into *content blocks*, in order:
 
-- reasoning text (shown when ``thinking`` asked for it, see ``core.messages.for_model``) → a
+- reasoning text (shown when ``thinking`` asked for it, see ``request.for_model``) → a
   ``thinking`` block (``signature`` empty: there is nothing to sign);
 - content → a ``text`` block;
 - each tool call → a ``tool_use`` block (non-streamed: its ``input`` decoded from the

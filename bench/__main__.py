@@ -606,7 +606,7 @@ def cmd_short(a: argparse.Namespace) -> None:
     b = _bench(a)
     runs = _sweep(a, b)
     meta = _meta(a, b)
-    path = _save("short", meta, [_strip(r) for r in runs])
+    path = _save(a, "short", meta, [_strip(r) for r in runs])
     order = [t for t in a.targets if any(r["target"] == t for r in runs)]
     s = NR.short_summary(runs, order)
     md = _header("short", meta)
@@ -649,7 +649,7 @@ def cmd_burst(a: argparse.Namespace) -> None:
             t.stop()
         eng.stop()
     meta = _meta(a, b)
-    path = _save("burst", meta, [_strip(r) for r in runs])
+    path = _save(a, "burst", meta, [_strip(r) for r in runs])
     s = NR.burst_summary(runs, _order([t for t in a.targets if t in tg]))
     md = _header("burst", meta)
     md += (f"\n{a.streams} clients start at once, each one streamed chat of {b.tokens} tokens "
@@ -1267,7 +1267,7 @@ def cmd_fleet_cache(a: argparse.Namespace) -> None:
     fresher = [FC.run(FC.params_for(w, replicas=a.replicas, seed=a.seed, load_interval=quick),
                       ("least_loaded", "prefix", "events")) for w in a.workloads]
     meta = {**_run_meta(), "params": params}
-    path = _save("fleet_cache", meta, rows, extra={"load_interval": quick, "runs": fresher})
+    path = _save(a, "fleet_cache", meta, rows, extra={"load_interval": quick, "runs": fresher})
     at = {(r["workload"], r["policy"]): r for r in rows}
     verdicts = []
     for w in a.workloads:

@@ -26,7 +26,7 @@ def two_models(settings: Settings) -> None:
     m = settings.models[MODEL]
     first, *rest = m.engines
     settings.models[OTHER] = type(m)(
-        engines=rest, chat_template=m.chat_template, inputs=list(m.inputs)
+        engines=rest, chat_template=m.chat_template, inputs=list(m.inputs), render=m.render
     )
     m.engines = [first]
     m.fallbacks = [OTHER]

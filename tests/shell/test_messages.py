@@ -413,6 +413,28 @@ async def test_claude_code_request_headers_and_aliases() -> None:
             assert r.json()["type"] == "error"
 
 
+async def test_messages_routes_in_the_openapi_document() -> None:
+    async with running_gateway() as gw:
+        with trio.fail_after(LIMIT):
+            doc = (await gw.client.get("/openapi.json")).json()
+    schemas = doc["components"]["schemas"]
+    for path, fields in ((PATH, {"model", "max_tokens", "messages", "stream", "tools"}),
+                         (PATH + "/count_tokens", {"model", "messages", "tools"})):  # fmt: skip
+        op = doc["paths"][path]["post"]
+        ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        schema = schemas[ref.rsplit("/", 1)[1]]
+        assert schema["additionalProperties"] is False
+        assert fields <= set(schema["properties"]) and "container" not in schema["properties"]
+        assert "model" in schema["required"] and "messages" in schema["required"]
+        assert {p["name"] for p in op["parameters"]} >= {"x-api-key", "anthropic-version", "beta"}
+        for status in ("400", "401", "404", "429", "503"):
+            err = op["responses"][status]["content"]["application/json"]["schema"]["$ref"]
+            assert err.endswith("/AnthropicError")
+    assert "max_tokens" in schemas["MessagesRequest"]["required"]
+    assert "max_tokens" not in schemas["CountTokensRequest"]["properties"]
+    assert set(schemas["AnthropicError"]["required"]) == {"type", "error"}
+
+
 async def test_error_after_the_200_is_an_error_event() -> None:
     engine = FakeEngine(script=faulty(Plan([" a", " b", " c", " d"], fault=Fault.error_event(2))))
     async with running_gateway(engine) as gw:

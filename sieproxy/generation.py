@@ -391,7 +391,8 @@ async def _admitted(
         fields=plan.fields,
     )
     state.active.add(body)
-    return body, [(k.encode(), v.encode()) for k, v in lease.headers().items()]
+    limits = lease.anthropic_headers() if endpoint in _ANTHROPIC else lease.headers()
+    return body, [(k.encode(), v.encode()) for k, v in limits.items()]
 
 
 async def _send_generation(

@@ -57,6 +57,7 @@ import msgspec
 from .choice import ChoiceState, ReasoningFactory, ToolCallFactory
 from .errors import GatewayError, InternalError
 from .events import CandidateDelta, CandidateFinish, ChoiceDelta, ToolCallDelta
+from .quota import RateLimited, anthropic_rate_headers
 from .request import ValidChat
 
 __all__ = [
@@ -107,8 +108,13 @@ def error_body(err: GatewayError) -> dict[str, Any]:
 
 def error_reply(err: GatewayError) -> tuple[int, dict[str, str], bytes]:
     """``(status, headers, body)`` of ``err`` on a Messages route (``Retry-After`` and
-    ``WWW-Authenticate`` kept)."""
-    return err.status, dict(err.headers), _enc.encode(error_body(err))
+    ``WWW-Authenticate`` kept; a tenant's 429 has Anthropic's ``anthropic-ratelimit-*``
+    headers instead of OpenAI's ``x-ratelimit-*``)."""
+    headers = dict(err.headers)
+    if isinstance(err, RateLimited):
+        headers = {k: v for k, v in headers.items() if not k.startswith("x-ratelimit-")}
+        headers.update(anthropic_rate_headers(err.limits, err.decision, err.at))
+    return err.status, headers, _enc.encode(error_body(err))
 
 
 @dataclass(slots=True)

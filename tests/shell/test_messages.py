@@ -491,3 +491,27 @@ async def test_client_leaving_a_stream_aborts_the_generation() -> None:
         await settled(engine)
         assert "fault-gone-0" not in engine.finished
         await still_serves(gw)
+
+
+async def test_an_sdk_client_leaving_a_stream_aborts_the_generation() -> None:
+    plan = Plan([f" t{k}" for k in range(400)], itl=0.02)
+    engine = FakeEngine(script=faulty(plan))
+    async with running_gateway(engine) as gw:
+        client = _client(gw)
+
+        def leave() -> int:
+            with client.messages.stream(
+                model=MODEL, max_tokens=400, messages=USER,
+                extra_headers={"X-Request-Id": "fault-sdk-gone"},
+            ) as s:  # fmt: skip
+                seen = 0
+                for event in s:
+                    seen += event.type == "text"
+                    if seen >= 5:
+                        break  # leaving the block closes the response
+                return seen
+
+        assert await _sync(leave) == 5
+        await aborted_once(engine, ["fault-sdk-gone-0"])
+        await settled(engine)
+        assert "fault-sdk-gone-0" not in engine.finished

@@ -159,3 +159,25 @@ async def test_the_sdk_takes_an_early_message_start_and_accumulates_the_answer()
         assert first == "message_start"
         assert final.content[0].text == "Hello." and final.stop_reason == "end_turn"
         assert final.usage.input_tokens > 0 and final.usage.output_tokens == 2
+
+
+async def test_a_failure_after_an_early_ping_is_an_error_event() -> None:
+    """The first ping committed the 200: the engine's silence past ``token_gap_timeout`` then
+    ends the stream with Anthropic's ``error`` event, not a status."""
+
+    def hook(s: Settings) -> None:
+        _pinging(s)
+        s.gateway.token_gap_timeout = 0.5
+
+    engine = FakeEngine(faulty(Plan([" a"], fault=Fault.hang(0))))  # never a token
+    async with running_gateway(engine, settings_hook=hook) as gw:
+        with trio.fail_after(LIMIT):
+            r = await gw.client.post(PATH, json=_body(), headers={"X-Request-Id": "fault-gap"})
+            assert r.status_code == 200
+            seen = _Events()
+            seen.feed(r.text)
+            types = seen.types()
+            assert types[:2] == ["message_start", "ping"] and types[-1] == "error", types
+            assert set(types[2:-1]) == {"ping"}
+            assert seen.events[-1]["error"]["type"] == "timeout_error"
+        await aborted_once(engine, ["fault-gap-0"])

@@ -3,7 +3,8 @@
 
 The fake engine is held before its first token (or mid-stream) by a ``trio.Event`` the test
 sets once it has seen the pings it waits for: nothing here sleeps hoping for a timing. Run with
-the fast paths on (the relay pump carries the stream once the head is out) and off.
+the fast paths on (the relay pump carries the stream once the head is out) and off, and, for
+the wait before the first token, without the wait-timer task (the reader's own cancel scope).
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import json
 from typing import Any
 
 import anthropic
+import pytest
 import trio
 
 from engine.fake import FakeEngine, Fault, Plan
 from sieproxy.settings import Settings
+from sieproxy.timers import WaitTimer
 
 from .harness import MODEL, running_gateway
 from .test_faults import aborted_once, faulty, settled, still_serves
@@ -28,6 +31,15 @@ INTERVAL = 0.05  # seconds: short, so that a test sees several pings quickly
 
 def _pinging(s: Settings) -> None:
     s.gateway.messages_ping_interval = INTERVAL
+
+
+def _without_timer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As where no wait-timer task runs: the reader's wait keeps its own cancel scope."""
+
+    async def no_timer(self: WaitTimer) -> None:
+        return None
+
+    monkeypatch.setattr(WaitTimer, "run", no_timer)
 
 
 def _body(**extra: Any) -> dict[str, Any]:
@@ -54,10 +66,16 @@ class _Events:
         return [e["type"] for e in self.events]
 
 
-async def test_a_slow_first_token_gets_message_start_and_pings_then_the_answer() -> None:
+@pytest.mark.parametrize("with_timer", [True, False], ids=["timer-task", "cancel-scope"])
+async def test_a_slow_first_token_gets_message_start_and_pings_then_the_answer(
+    with_timer: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not with_timer:
+        _without_timer(monkeypatch)
     go = trio.Event()
     engine = FakeEngine(faulty(Plan([" a", " b", " c"], fault=Fault.hang(0, until=go))))
     async with running_gateway(engine, settings_hook=_pinging) as gw:
+        assert gw.state.timer.running is with_timer
         with trio.fail_after(LIMIT):
             seen = _Events()
             async with gw.client.stream(
@@ -161,9 +179,14 @@ async def test_the_sdk_takes_an_early_message_start_and_accumulates_the_answer()
         assert final.usage.input_tokens > 0 and final.usage.output_tokens == 2
 
 
-async def test_a_failure_after_an_early_ping_is_an_error_event() -> None:
+@pytest.mark.parametrize("with_timer", [True, False], ids=["timer-task", "cancel-scope"])
+async def test_a_failure_after_an_early_ping_is_an_error_event(
+    with_timer: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The first ping committed the 200: the engine's silence past ``token_gap_timeout`` then
     ends the stream with Anthropic's ``error`` event, not a status."""
+    if not with_timer:
+        _without_timer(monkeypatch)
 
     def hook(s: Settings) -> None:
         _pinging(s)

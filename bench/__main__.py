@@ -31,6 +31,8 @@ bench/out/).
                 llama.cpp on the same GGUF and transformers' generate(), in one run
     fleet       routing policies (prefix / least_loaded / key_only) over a simulated fleet of
                 replicas with prefix caches, two gateways, multi-turn conversations (mock clock)
+    tenants     tenant A floods at ten times its quota while tenant B sends interactive
+                requests; then a saturated replica with both unlimited (fair share)
 
 Method: docs/BENCH-METHOD.md.
 """
@@ -232,6 +234,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="instead: cache-aware routing on these workloads (shared, multiturn, "
                          "agent; bench/fleet_cache.py), against least_loaded and prefix")
     _outputs(fl)
+    tn = sub.add_parser("tenants", help="a tenant's flood against another's interactive "
+                        "requests: quota, then fair share on a saturated replica")
+    tn.add_argument("--b-requests", type=int, default=40, help="tenant B's requests per run")
+    tn.add_argument("--tokens", type=int, default=40, help="tokens per answer")
+    tn.add_argument("--ttft-ms", type=float, default=50.0, help="the fake engine's TTFT")
+    tn.add_argument("--itl-ms", type=float, default=10.0, help="the fake engine's ITL")
+    tn.add_argument("--a-rpm", type=int, default=120, help="tenant A's requests per minute")
+    tn.add_argument("--sat-a-clients", type=int, default=32,
+                    help="saturated: tenant A's outstanding requests")
+    _outputs(tn)
     return p
 
 
@@ -1342,6 +1354,56 @@ def cmd_fleet_cache(a: argparse.Namespace) -> None:
     _finish(a, "fleet_cache", md, verdicts, path)
 
 
+def cmd_tenants(a: argparse.Namespace) -> None:
+    import trio
+
+    from bench import tenants as TN
+
+    p = TN.Params(b_requests=a.b_requests, tokens=a.tokens, ttft=a.ttft_ms / 1000,
+                  itl=a.itl_ms / 1000, a_rpm=a.a_rpm, sat_a_clients=a.sat_a_clients)
+    out = trio.run(TN.run, p)
+    meta = {**_run_meta(), "params": dataclasses.asdict(p)}
+    path = _save(a, "tenants", meta, [out])
+    q, sat = out["quota"], out["saturated"]
+    md = "\n".join([
+        *_intro("tenants", meta, "unpinned; the gateway, the fake engine and both tenants' "
+                "clients in one process"),
+        f"One gateway (real: Hypercorn, the tenancy limiter and fair-share admission) in front "
+        f"of one fake engine (TTFT {p.ttft * 1000:g} ms, ITL {p.itl * 1000:g} ms, "
+        f"{p.tokens} tokens per answer); streamed chat requests; TTFT is the time to the "
+        f"response's first bytes. Tenant B sends {p.b_requests} requests one after another, "
+        f"{p.b_think * 1000:g} ms apart (bench/tenants.py).", "",
+        f"**Quota.** Tenant A's key allows {p.a_rpm} requests per minute; A sends "
+        f"{p.flood:g}× that ({p.a_rpm * p.flood / 60:g} requests/s, evenly spaced). B runs "
+        f"alone, then while A floods (from A's first 429 on, once A's full bucket is spent). "
+        f"The replica has {p.slots} slots.", "",
+        "| B's run | TTFT p50 | TTFT p99 | B's statuses | A's statuses meanwhile |",
+        "|---|---|---|---|---|",
+        f"| alone | {q['b_alone_ttft_p50_ms']:.1f} ms | {q['b_alone_ttft_p99_ms']:.1f} ms | "
+        f"{_statuses({200: p.b_requests})} | — |",
+        f"| A flooding | {q['b_shared_ttft_p50_ms']:.1f} ms | {q['b_shared_ttft_p99_ms']:.1f} ms"
+        f" | {_statuses(q['b_statuses'])} | {_statuses(q['a_statuses'])} |", "",
+        f"**Saturated.** Both tenants without limits; the replica has {p.sat_slots} slots "
+        f"(`replica_max_inflight`) and `admission_wait` is 120 s; A keeps {p.sat_a_clients} "
+        f"requests outstanding, so {p.sat_a_clients - p.sat_slots} of them wait for admission "
+        "at any time, and B's requests arrive behind them.", "",
+        "| figure | value |", "|---|---|",
+        f"| one of A's requests, alone on the idle replica (end to end) | "
+        f"{sat['a_duration_ms']:.1f} ms |",
+        f"| B's TTFT p50 / p99 | {sat['b_ttft_p50_ms']:.1f} ms / {sat['b_ttft_p99_ms']:.1f} ms |",
+        f"| A's TTFT p50 (queued) | {sat['a_ttft_p50_ms']:.1f} ms |",
+        f"| statuses | B {_statuses(sat['b_statuses'])}; A {_statuses(sat['a_statuses'])} |",
+        "",
+        "Fair share (sieproxy/core/fairshare.py) gives B's request the next free slot: B waits "
+        "for one of A's running requests to end, not for A's queue.",
+    ])
+    _finish(a, "tenants", md, out["verdicts"], path)
+
+
+def _statuses(counts: dict[Any, int]) -> str:
+    return ", ".join(f"{n} × {s}" for s, n in counts.items()) or "—"
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.cmd == "serve":
@@ -1353,7 +1415,7 @@ def main(argv: list[str] | None = None) -> int:
      "disconnect": cmd_disconnect,
      "streams": cmd_streams, "soak": cmd_soak, "workers": cmd_workers,
      "token-path": cmd_token_path, "prefix-cache": cmd_prefix_cache, "fleet": cmd_fleet,
-     "engine-throughput": cmd_engine_throughput}[a.cmd](a)
+     "engine-throughput": cmd_engine_throughput, "tenants": cmd_tenants}[a.cmd](a)
     return 0
 
 

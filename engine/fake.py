@@ -142,6 +142,7 @@ class Fault:
     clean: bool = True
     duration: float | None = None
     retry_after: str | None = None  # HTTP_ERROR: the answer's Retry-After header
+    until: trio.Event | None = None  # HANG: until this event is set (a test's own signal)
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         """The extra headers of an HTTP_ERROR answer."""
@@ -167,10 +168,18 @@ class Fault:
 
     @classmethod
     def hang(
-        cls, at: int = 0, *, before_headers: bool = False, duration: float | None = None
+        cls,
+        at: int = 0,
+        *,
+        before_headers: bool = False,
+        duration: float | None = None,
+        until: trio.Event | None = None,
     ) -> Fault:
-        """Stop sending after ``at`` steps (or before the head) forever, or for ``duration`` s."""
-        return cls(FaultKind.HANG, at=at, before_headers=before_headers, duration=duration)
+        """Stop sending after ``at`` steps (or before the head) forever, for ``duration`` s, or
+        until ``until`` is set; then the stream goes on."""
+        return cls(
+            FaultKind.HANG, at=at, before_headers=before_headers, duration=duration, until=until
+        )
 
     @classmethod
     def malformed(cls, at: int = 0, *, goes_on: bool = False) -> Fault:
@@ -332,6 +341,18 @@ class _Run:
         self.aborted = True
         if self.scope is not None:
             self.scope.cancel()
+
+    async def wait_for(self, event: trio.Event | None, deadline: float) -> bool:
+        """Until ``event`` is set (None: until ``deadline``); False if aborted meanwhile."""
+        if event is None:
+            return await self.wait_until(deadline)
+        if self.aborted:
+            return False
+        with trio.CancelScope() as scope:
+            self.scope = scope
+            await event.wait()
+        self.scope = None
+        return not self.aborted
 
     async def wait_until(self, deadline: float) -> bool:
         """Sleep until ``deadline``; False if aborted meanwhile (or before)."""
@@ -1057,7 +1078,7 @@ class FakeEngine:
             conn.close_abruptly()
         elif fault.kind is FaultKind.HANG:
             end = math.inf if fault.duration is None else trio.current_time() + fault.duration
-            await run.wait_until(end)
+            await run.wait_for(fault.until, end)
             return None
         else:
             return None
@@ -1154,7 +1175,7 @@ class FakeEngine:
             await conn.end_response()
         elif kind is FaultKind.HANG:
             end = math.inf if fault.duration is None else trio.current_time() + fault.duration
-            await run.wait_until(end)
+            await run.wait_for(fault.until, end)
             return None
         return "fault:" + str(kind.value)
 
@@ -1207,7 +1228,7 @@ class FakeEngine:
             await conn.send_response(200, b'{"text": "oops", "meta_info": {"id": ')
         elif kind is FaultKind.HANG:
             end = math.inf if fault.duration is None else trio.current_time() + fault.duration
-            await run.wait_until(end)
+            await run.wait_for(fault.until, end)
             return None
         return "fault:" + str(kind.value)
 

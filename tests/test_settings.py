@@ -88,6 +88,8 @@ REFUSED_AT_LOAD = [
     ("[gateway]\nbreaker_backoff = 5\nbreaker_backoff_max = 4\n",
      "gateway.breaker_backoff_max", "breaker_backoff"),
     ("[gateway]\nadmission_wait = -1\n", "gateway.admission_wait", ">= 0"),
+    ("[gateway]\nmessages_ping_interval = -1\n", "gateway.messages_ping_interval", ">= 0"),
+    ("[gateway]\nmessages_ping_interval = inf\n", "gateway.messages_ping_interval", ">= 0"),
     ("[gateway]\nmax_image_bytes = 0\n", "gateway.max_image_bytes", ">= 1"),
     ("[gateway]\nmax_sse_line_bytes = 0\n", "gateway.max_sse_line_bytes", ">= 1"),
     ("[gateway]\nmax_sse_line_bytes = -5\n", "gateway.max_sse_line_bytes", ">= 1"),

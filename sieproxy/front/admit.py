@@ -28,6 +28,9 @@ from .state import GatewayState
 
 __all__ = ["start", "tenant_of"]
 
+#: The surfaces of Anthropic's API: the rate-limit headers Anthropic's clients read.
+_ANTHROPIC = frozenset({"messages", "count_tokens"})
+
 
 def tenant_of(entry: KeyEntry | None) -> str | None:
     """The tenant's name for metrics and logs (None with auth off)."""
@@ -194,4 +197,5 @@ async def _admitted(
         fields=plan.fields,
     )
     state.active.add(body)
-    return body, [(k.encode(), v.encode()) for k, v in lease.headers().items()]
+    limits = lease.anthropic_headers() if endpoint in _ANTHROPIC else lease.headers()
+    return body, [(k.encode(), v.encode()) for k, v in limits.items()]

@@ -14,6 +14,12 @@ from ..core.request.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from ..surfaces.messages.request import (
+    MESSAGES_KNOWN_REJECTED,
+    CountTokensRequest,
+    MessagesRequest,
+    MTool,
+)
 from ..surfaces.responses.request import (
     RESPONSES_KNOWN_REJECTED,
     ResponsesRequest,
@@ -41,8 +47,32 @@ _ERROR = {
 }
 
 
-def _responses(ok_desc: str) -> dict[str, Any]:
-    err = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+#: Anthropic's error envelope, which the two Messages routes answer with.
+_ANTHROPIC_ERROR = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+    },
+}
+
+
+def _anthropic_responses(ok_desc: str, stream: bool) -> dict[str, Any]:
+    """The Messages routes' answers: Anthropic's envelope on every error."""
+    out = _responses(ok_desc, "AnthropicError")
+    if not stream:
+        out["200"]["content"].pop("text/event-stream")
+    out["429"] = {"description": "A tenant limit (Retry-After)", **out["400"]}
+    return out
+
+
+def _responses(ok_desc: str, error: str = "Error") -> dict[str, Any]:
+    err = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}}}
     out: dict[str, Any] = {
         "200": {
             "description": ok_desc,
@@ -66,9 +96,20 @@ def _responses(ok_desc: str) -> dict[str, Any]:
 
 @functools.cache
 def openapi_document() -> dict[str, Any]:
-    (chat, comp, resp, item, tool), components = msgspec.json.schema_components(
-        [ChatCompletionRequest, CompletionRequest, ResponsesRequest, RItem, RFunctionTool],
-        ref_template="#/components/schemas/{name}",
+    (chat, comp, resp, item, tool, msgs, count, mtool), components = (
+        msgspec.json.schema_components(
+            [
+                ChatCompletionRequest,
+                CompletionRequest,
+                ResponsesRequest,
+                RItem,
+                RFunctionTool,
+                MessagesRequest,
+                CountTokensRequest,
+                MTool,
+            ],
+            ref_template="#/components/schemas/{name}",
+        )
     )
     # ``input`` items and ``tools`` are decoded one by one (an item may omit its ``type``; a
     # built-in tool gets its own refusal), so their Struct fields are typed loosely: the
@@ -77,19 +118,34 @@ def openapi_document() -> dict[str, Any]:
     props["input"] = {"anyOf": [{"type": "string"}, {"type": "array", "items": item}]}
     props["tools"] = {"anyOf": [{"type": "array", "items": tool}, {"type": "null"}]}
     components["RText"]["properties"].pop("verbosity", None)  # refused with a reason
+    # Messages ``tools`` are decoded one by one too (another ``type`` gets its own refusal).
+    for name in ("MessagesRequest", "CountTokensRequest"):
+        tools = {"anyOf": [{"type": "array", "items": mtool}, {"type": "null"}]}
+        components[name]["properties"]["tools"] = tools
     for name, rejected in (
         ("ChatCompletionRequest", CHAT_KNOWN_REJECTED),
         ("CompletionRequest", COMPLETIONS_KNOWN_REJECTED),
         ("ResponsesRequest", RESPONSES_KNOWN_REJECTED),
+        ("MessagesRequest", MESSAGES_KNOWN_REJECTED),
+        ("CountTokensRequest", MESSAGES_KNOWN_REJECTED),
     ):
         props = components[name]["properties"]
         for field in rejected:
             props.pop(field, None)
         components[name]["additionalProperties"] = False
     components["Error"] = _ERROR
+    components["AnthropicError"] = _ANTHROPIC_ERROR
     headers = [
         {"name": h, "in": "header", "required": False, "schema": {"type": "string"}}
         for h in ("X-Request-Id", "X-SIE-Pool", "X-SIE-MACHINE-PROFILE", "X-SIE-SDK-Version")
+    ]
+    anthropic = [
+        *headers,
+        *(
+            {"name": h, "in": "header", "required": False, "schema": {"type": "string"}}
+            for h in ("x-api-key", "anthropic-version", "anthropic-beta")
+        ),
+        {"name": "beta", "in": "query", "required": False, "schema": {"type": "string"}},
     ]
     return {
         "openapi": "3.1.0",
@@ -126,6 +182,30 @@ def openapi_document() -> dict[str, Any]:
                         "content": {"application/json": {"schema": resp}},
                     },
                     "responses": _responses("Response (JSON or SSE `response.*` events)"),
+                }
+            },
+            "/v1/messages": {
+                "post": {
+                    "operationId": "createMessage",
+                    "parameters": anthropic,
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": msgs}},
+                    },
+                    "responses": _anthropic_responses(
+                        "Message (JSON, or SSE Messages events)", stream=True
+                    ),
+                }
+            },
+            "/v1/messages/count_tokens": {
+                "post": {
+                    "operationId": "countMessageTokens",
+                    "parameters": anthropic,
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": count}},
+                    },
+                    "responses": _anthropic_responses("`{\"input_tokens\": N}`", stream=False),
                 }
             },
             "/v1/models": {

@@ -48,7 +48,7 @@ from .attempt import Attempt
 from .candidate import Event
 from .channels import take
 from .failover import Failover, retry_bodies
-from .inline import InlineReader
+from .inline import QUIET, InlineReader
 from .merge import Merger, buffered
 from .pump import Outlet, Pump
 from .timers import WaitTimer, sweep_stalls
@@ -81,6 +81,7 @@ class GenerationBody:
         "_nursery",
         "_nursery_cm",
         "_on_done",
+        "_ping",
         "_pump",
         "_recv",
         "_timer",
@@ -131,6 +132,8 @@ class GenerationBody:
         #: the relay reads the time once per token).
         self._now: Callable[[], float] = trio.current_time
         self._il: InlineReader | None = None
+        # Keep-alives while the stream waits (the Messages API's ``ping``: sieproxy/inline.py).
+        self._ping = g.messages_ping_interval if getattr(shaper, "pings", False) else 0.0
         self._up = self._attempt(pool, replica, bodies)
         self._m = Merger(shaper, self._up, stats, fields or RequestFields())
 
@@ -146,7 +149,9 @@ class GenerationBody:
             deadline=self._deadline,
         )
         if self._k == 1:  # n = 1 (no best_of): the response task reads it itself
-            self._il = InlineReader(up, self, clock=self._now, timer=self._timer, pump=self._pump)
+            self._il = InlineReader(
+                up, self, clock=self._now, timer=self._timer, pump=self._pump, ping=self._ping
+            )
             up.reset([self._il])
         return up
 
@@ -238,7 +243,8 @@ class GenerationBody:
             self.writing_since = None
             il = self._il
             if il is not None:
-                il.last += now() - since
+                il.written = t = now()
+                il.last += t - since
 
     # ------------------------------------------------------------------ ending from outside
     def check_stall(self, now: float) -> bool:
@@ -281,6 +287,8 @@ class GenerationBody:
         il = self._il
         if il is not None:  # the events of one upstream read
             events = await il.next()
+            if events is QUIET:  # nothing went out for the keep-alive interval
+                return m.ping()
             if not events:
                 return None
             out = m.merge(events)

@@ -17,10 +17,17 @@ reader's express lane (the protocol's fast path), anything else through the toke
 response's merger. ``ride`` hands the stream back (returns False) for anything it does not do
 itself, leaving what it read and did not handle in ``stash`` for ``next``, so nothing is lost
 or handled twice.
+
+A stream whose shaper sends keep-alives (``ping``: the Messages API's ``ping`` event) has its
+wait for the engine bounded by a cancel scope at ``written + ping`` too, ``written`` being when
+the client was last written to (by the response task's ``client_write`` or by the pump):
+``next`` then returns :data:`QUIET` instead of events, and the body writes the shaper's
+keep-alive. Only such streams pay for that scope (one per wait; in the pump, one per park).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -34,9 +41,13 @@ from .candidate import Candidate, Event, Step
 from .pump import Outlet, Pump
 from .timers import Holder, WaitTimer
 
-__all__ = ["Host", "InlineReader"]
+__all__ = ["QUIET", "Host", "InlineReader"]
 
 _T = TypeVar("_T")
+
+#: What :meth:`InlineReader.next` returns when nothing was written to the client for its
+#: ``ping`` interval (told apart from the end, ``[]``, by identity; never filled).
+QUIET: list[Event] = []
 
 
 class Host(Protocol):
@@ -63,12 +74,14 @@ class InlineReader(Candidate):
         "host",
         "last",
         "out",
+        "ping",
         "pump",
         "resp",
         "stash",
         "stats",
         "timer",
         "waiting",
+        "written",
     )
 
     def __init__(
@@ -79,6 +92,7 @@ class InlineReader(Candidate):
         clock: Callable[[], float],
         timer: WaitTimer | None,
         pump: Pump | None,
+        ping: float = 0.0,
     ) -> None:
         super().__init__(0, att.reader())
         self.att = att
@@ -94,6 +108,10 @@ class InlineReader(Candidate):
         # When the engine last sent bytes, moved later by the time spent in client writes since
         # (the gap limit counts from there: the engine's silence only, ``client_write``).
         self.last = 0.0
+        # Keep-alives (the module docstring): the interval (0: none) and when the client was
+        # last written to (from the request's send until the first write).
+        self.ping = ping
+        self.written = 0.0
         self.closed = False
         # WaitTimer state: the holder of this reader's entry in the timer's heap while it has one
         # (its limit only moves later, so one entry at a time suffices; emptied when the reader
@@ -116,7 +134,7 @@ class InlineReader(Candidate):
         to the first token."""
         self.cm = self.att.open(0, until=self.deadline)
         self.mark_sent()
-        self.last = trio.current_time()  # a first_token_timeout counts from here
+        self.last = self.written = trio.current_time()  # a first_token_timeout counts from here
         return self.cm
 
     async def send_now(self) -> bool:
@@ -180,16 +198,25 @@ class InlineReader(Candidate):
                     raw = stash
                 if raw is None:
                     limit = min(self.deadline, self.last + (gap if self.heard else att.first))
+                    quiet = math.inf
+                    if self.ping:  # a stream that sends keep-alives while it waits
+                        quiet = self.written + self.ping
+                        if quiet <= self.clock():
+                            return QUIET
                     if timer is None or not timer.running:
-                        with trio.move_on_at(limit) as scope:
+                        with trio.move_on_at(min(limit, quiet)) as scope:
                             await resp.wait_readable()
-                        if not scope.cancelled_caught:
-                            continue
+                        if not scope.cancelled_caught or self.clock() < limit:
+                            continue  # bytes, or the keep-alive's time
                         return await self.finish_with(att.expired(self))
                     if self.holder is None:
                         self.holder = [self]
                         timer.arm(limit, self.holder)
-                    await self._wait(resp)
+                    if quiet == math.inf:
+                        await self._wait(resp)
+                    else:
+                        with trio.move_on_at(quiet):
+                            await self._wait(resp)
                     if self.cause is not None:  # the pump matched a stop string
                         return await self.finish_with(None)
                     continue
@@ -289,8 +316,12 @@ class InlineReader(Candidate):
         events, err = self.step(raw)
         if err is not None:
             self.stash = err
-        if events and not out.write_nowait(self.host.merge(events)):
-            return False  # the rest of the frame: the task flushes it
+        if events:
+            frames = self.host.merge(events)
+            if frames:
+                self.written = self.last  # the client was written to (keep-alives)
+                if not out.write_nowait(frames):
+                    return False  # the rest of the frame: the task flushes it
         return err is None
 
     # ------------------------------------------------------------------ the end

@@ -11,6 +11,7 @@ the engine (an ``UpstreamError`` with a ``refusal``) is said in the request's ow
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Protocol, cast
 
 import trio
 
@@ -22,7 +23,16 @@ from ..observe.stats import RequestStats
 from .attempt import Attempt
 from .candidate import Event
 
-__all__ = ["Merger", "buffered"]
+__all__ = ["Merger", "Pinging", "buffered"]
+
+
+class Pinging(Protocol):
+    """A shaper that sends keep-alives while its stream waits (``pings`` true: the Messages
+    API's ``ping`` events; sieproxy/inline.py decides when)."""
+
+    pings: bool
+
+    def ping(self) -> bytes: ...
 
 
 class Merger:
@@ -87,6 +97,12 @@ class Merger:
                 break
             out += self.handle(ev)
         return out
+
+    def ping(self) -> bytes:
+        """The shaper's keep-alive frames. They may be the response's first bytes (the engine is
+        slow to its first output): from then on nothing is retried, as after any first byte."""
+        self.handled_any = True
+        return cast(Pinging, self.shaper).ping()
 
     def take_deferred(self) -> bytes | None:
         """The frames of an error drained behind frames (raised now), or None."""

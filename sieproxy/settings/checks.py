@@ -8,6 +8,7 @@ Every value is checked at load time (ranges, parser names, chat templates compil
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -96,6 +97,8 @@ def check_settings(s: Settings, where: str, *, keys: bool = True) -> None:
         load_keys(g.keys_file, served)
     if g.redis_url and not g.redis_url.startswith(("redis://", "rediss://", "unix://")):
         raise bad("gateway.redis_url", "must be a redis://, rediss:// or unix:// URL")
+    if not 0 <= g.messages_ping_interval < math.inf:
+        raise bad("gateway.messages_ping_interval", "must be a number of seconds >= 0 (0: off)")
     if g.batch_promote_after <= 0:
         raise bad("gateway.batch_promote_after", "must be > 0 seconds")
     if not 0 <= g.port <= 65535:

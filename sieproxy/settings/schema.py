@@ -74,6 +74,9 @@ class GatewaySettings(_Conf):
     abort_timeout: float = 2.0
     #: A client that reads nothing for this long gets its candidates aborted upstream.
     client_stall_timeout: float = 60.0
+    #: A streamed ``/v1/messages`` answer sends Anthropic's ``ping`` event whenever nothing
+    #: went out for this many seconds (0: only the one after ``message_start``).
+    messages_ping_interval: float = 10.0
     #: Capacity of each per-request channel between candidates and the merger.
     channel_size: int = 8
     #: httpx pool: connections kept per engine (keep-alive) and in total.

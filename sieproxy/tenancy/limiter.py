@@ -35,6 +35,7 @@ from ..core.tenancy.quota import (
     RateLimited,
     TenantCounters,
     admit,
+    anthropic_rate_headers,
     rate_headers,
     settle,
 )
@@ -61,9 +62,15 @@ class Lease:
     lease_id: str = ""
     shared: bool = False  # taken in Redis (else in this process)
     settled: bool = False
+    at: float = 0.0  # the limiter's time of the admission
 
     def headers(self) -> dict[str, str]:
+        """OpenAI's ``x-ratelimit-*`` headers for the response."""
         return rate_headers(self.limits, self.decision)
+
+    def anthropic_headers(self) -> dict[str, str]:
+        """Anthropic's ``anthropic-ratelimit-*`` headers (the Messages routes)."""
+        return anthropic_rate_headers(self.limits, self.decision, self.at)
 
 
 @dataclass
@@ -128,13 +135,13 @@ class Limiter:
                     self._redis_ok()
                     if not d.ok:
                         assert d.limit is not None
-                        raise RateLimited(d.limit, d.retry_after, limits, d)
-                    return Lease(tenant, limits, cost, d, lease_id, shared=True)
+                        raise RateLimited(d.limit, d.retry_after, limits, d, now)
+                    return Lease(tenant, limits, cost, d, lease_id, shared=True, at=now)
         d = admit(self._counters(tenant), limits, cost, now)
         if not d.ok:
             assert d.limit is not None
-            raise RateLimited(d.limit, d.retry_after, limits, d)
-        return Lease(tenant, limits, cost, d)
+            raise RateLimited(d.limit, d.retry_after, limits, d, now)
+        return Lease(tenant, limits, cost, d, at=now)
 
     def settle(self, lease: Lease, used: int) -> None:
         """The request ended having used ``used`` tokens (prompt + output); once per lease."""

@@ -317,6 +317,26 @@ def test_tool_arguments_stream_as_input_json_deltas() -> None:
     assert len(parts) >= 2 and json.loads("".join(parts)) == {"city": "Paris"}
 
 
+def test_keep_alive_pings_before_and_after_the_first_output() -> None:
+    s = shaper(True)
+    assert s.pings
+    out = s.start() + s.ping()  # the engine is slow to its first token: message_start now
+    assert [e["type"] for e in events(out)] == ["message_start", "ping"]
+    assert events(out)[0]["message"]["usage"]["input_tokens"] == 0  # not known yet
+    out += s.ping() + s.on_delta(0, CandidateDelta("Hi", 1, prompt_tokens=3))
+    finish = CandidateFinish("stop", prompt_tokens=3, completion_tokens=1)
+    out += s.ping() + s.on_finish(0, finish) + s.end()
+    types = [e["type"] for e in events(out)]
+    assert types == ["message_start", "ping", "ping", "content_block_start",
+                     "content_block_delta", "ping", "content_block_stop", "message_delta",
+                     "message_stop"]  # fmt: skip
+    assert types.count("message_start") == 1
+    assert events(out)[-2]["usage"]["input_tokens"] == 3  # the final usage has the count
+    assert s.ping() == b""  # the stream has ended
+    quiet = shaper(False)
+    assert not quiet.pings and quiet.ping() == b""
+
+
 def test_an_error_after_the_start_is_an_error_event() -> None:
     s = shaper(True)
     out = s.start() + s.on_delta(0, CandidateDelta("Hel", 1, prompt_tokens=3))

@@ -15,6 +15,7 @@ BOTH_WAYS = frozenset(
         "test_faults",
         "test_hostile",
         "test_http_edges",
+        "test_messages_ping",
         "test_openai_sdk",
         "test_relay_merge",
         "test_relay_open",

@@ -94,6 +94,8 @@ def check_sequence(events: list[dict[str, Any]]) -> list[str]:
     open_block: int | None = None
     seen = 0
     for e in events[2:-2]:
+        if e["type"] == "ping":  # a keep-alive may come anywhere (gateway.messages_ping_interval)
+            continue
         if e["type"] == "content_block_start":
             if open_block is not None or e["index"] != seen:
                 problems.append(f"block {e['index']} started out of order")
@@ -411,6 +413,28 @@ async def test_claude_code_request_headers_and_aliases() -> None:
             assert r.json()["type"] == "error"
 
 
+async def test_messages_routes_in_the_openapi_document() -> None:
+    async with running_gateway() as gw:
+        with trio.fail_after(LIMIT):
+            doc = (await gw.client.get("/openapi.json")).json()
+    schemas = doc["components"]["schemas"]
+    for path, fields in ((PATH, {"model", "max_tokens", "messages", "stream", "tools"}),
+                         (PATH + "/count_tokens", {"model", "messages", "tools"})):  # fmt: skip
+        op = doc["paths"][path]["post"]
+        ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        schema = schemas[ref.rsplit("/", 1)[1]]
+        assert schema["additionalProperties"] is False
+        assert fields <= set(schema["properties"]) and "container" not in schema["properties"]
+        assert "model" in schema["required"] and "messages" in schema["required"]
+        assert {p["name"] for p in op["parameters"]} >= {"x-api-key", "anthropic-version", "beta"}
+        for status in ("400", "401", "404", "429", "503"):
+            err = op["responses"][status]["content"]["application/json"]["schema"]["$ref"]
+            assert err.endswith("/AnthropicError")
+    assert "max_tokens" in schemas["MessagesRequest"]["required"]
+    assert "max_tokens" not in schemas["CountTokensRequest"]["properties"]
+    assert set(schemas["AnthropicError"]["required"]) == {"type", "error"}
+
+
 async def test_error_after_the_200_is_an_error_event() -> None:
     engine = FakeEngine(script=faulty(Plan([" a", " b", " c", " d"], fault=Fault.error_event(2))))
     async with running_gateway(engine) as gw:
@@ -467,3 +491,27 @@ async def test_client_leaving_a_stream_aborts_the_generation() -> None:
         await settled(engine)
         assert "fault-gone-0" not in engine.finished
         await still_serves(gw)
+
+
+async def test_an_sdk_client_leaving_a_stream_aborts_the_generation() -> None:
+    plan = Plan([f" t{k}" for k in range(400)], itl=0.02)
+    engine = FakeEngine(script=faulty(plan))
+    async with running_gateway(engine) as gw:
+        client = _client(gw)
+
+        def leave() -> int:
+            with client.messages.stream(
+                model=MODEL, max_tokens=400, messages=USER,
+                extra_headers={"X-Request-Id": "fault-sdk-gone"},
+            ) as s:  # fmt: skip
+                seen = 0
+                for event in s:
+                    seen += event.type == "text"
+                    if seen >= 5:
+                        break  # leaving the block closes the response
+                return seen
+
+        assert await _sync(leave) == 5
+        await aborted_once(engine, ["fault-sdk-gone-0"])
+        await settled(engine)
+        assert "fault-sdk-gone-0" not in engine.finished

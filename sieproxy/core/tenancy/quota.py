@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from ..errors import GatewayError, InvalidRequest
 
@@ -41,6 +42,7 @@ __all__ = [
     "RateLimited",
     "TenantCounters",
     "admit",
+    "anthropic_rate_headers",
     "duration_text",
     "rate_headers",
     "settle",
@@ -208,12 +210,30 @@ def rate_headers(limits: Limits, d: Decision) -> dict[str, str]:
     return out
 
 
+def anthropic_rate_headers(limits: Limits, d: Decision, now: float) -> dict[str, str]:
+    """Anthropic's ``anthropic-ratelimit-*`` headers (the Messages routes) for the limits that are
+    set: ``…-limit``, ``…-remaining``, and ``…-reset`` as the RFC 3339 time (UTC, whole seconds,
+    rounded up) when the bucket is full again, ``now`` being the limiter's clock (Unix time)."""
+    out: dict[str, str] = {}
+    pairs = (("requests", limits.rpm, d.requests), ("tokens", limits.tpm, d.tokens))
+    for name, limit, snap in pairs:
+        if limit is None:
+            continue
+        remaining, reset = snap if snap is not None else (limit, 0.0)
+        at = datetime.fromtimestamp(math.ceil(now + reset), UTC)
+        out[f"anthropic-ratelimit-{name}-limit"] = str(limit)
+        out[f"anthropic-ratelimit-{name}-remaining"] = str(remaining)
+        out[f"anthropic-ratelimit-{name}-reset"] = at.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return out
+
+
 class RateLimited(GatewayError):
     """429: a tenant limit refuses the request now; ``Retry-After`` says when a retry passes.
 
     ``limit`` names the refusing limit (``requests``, ``tokens`` or ``concurrency``) and
     ``retry_after_s`` is the exact wait in seconds, so another surface (the Messages API) can
-    render the same refusal in its own envelope and headers."""
+    render the same refusal in its own envelope and headers (``at``: the limiter's time of the
+    decision, for :func:`anthropic_rate_headers`)."""
 
     status = 429
     type = "requests"
@@ -225,8 +245,10 @@ class RateLimited(GatewayError):
         retry_after_s: float,
         limits: Limits,
         decision: Decision,
+        at: float = 0.0,
     ) -> None:
         self.limit = limit
+        self.at = at
         self.retry_after_s = retry_after_s
         self.limits = limits
         self.decision = decision

@@ -20,8 +20,8 @@ tool calls is not a block. The same block machine runs whether or not the client
 
 Event order (each frame is ``event: <type>`` + ``data: <json>``)::
 
-    message_start                      (first event: the prompt's token count is known then)
-    ping
+    message_start                      (with the first output: the prompt's token count is
+    ping                                known then; or with the first keep-alive, ``ping()``)
     per block  content_block_start, content_block_delta…, content_block_stop
     message_delta                      (stop_reason, stop_sequence, usage)
     message_stop
@@ -34,6 +34,13 @@ find in its prefix cache, ``cache_read_input_tokens`` those it did (Anthropic's 
 is the prompt), ``cache_creation_input_tokens`` 0, ``output_tokens`` the generated tokens
 (reasoning included). ``message_start`` carries the whole prompt as ``input_tokens`` (the cache
 split is known only at the end); ``message_delta`` carries the final usage.
+
+Keep-alive: while the stream waits, the shell calls :meth:`MessagesShaper.ping` whenever no
+event has gone out for ``gateway.messages_ping_interval`` seconds (``sieproxy.inline``); it
+makes a ``ping`` event, preceded by ``message_start`` if that was not sent yet (the engine is
+slow to its first output: then ``message_start`` has ``input_tokens`` 0, as the prompt's count
+is not known yet, and ``message_delta`` carries the real usage, which the SDKs take as the
+final figures). ``pings`` tells the shell whether the shaper makes them (a stream only).
 
 :func:`error_reply` renders a :class:`~.errors.GatewayError` as Anthropic's envelope
 (``{"type": "error", "error": {"type", "message"}}``), the status and headers unchanged; a
@@ -51,11 +58,22 @@ from ...core.errors import GatewayError, InternalError
 from ...core.request.valid import ValidChat
 from ...core.shaping.choice import ChoiceState, ReasoningFactory, ToolCallFactory
 from ...core.shaping.events import CandidateDelta, CandidateFinish, ChoiceDelta, ToolCallDelta
+from ...core.tenancy.quota import RateLimited, anthropic_rate_headers
 
-__all__ = ["CountShaper", "MessagesShaper", "error_body", "error_reply", "error_type"]
+__all__ = [
+    "PING",
+    "CountShaper",
+    "MessagesShaper",
+    "error_body",
+    "error_reply",
+    "error_type",
+]
 
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder()
+
+#: The keep-alive event, as Anthropic sends it.
+PING = b'event: ping\ndata: {"type":"ping"}\n\n'
 
 #: HTTP status → Anthropic's error type (other 4xx: invalid_request_error, 5xx: api_error).
 _TYPES = {
@@ -90,8 +108,13 @@ def error_body(err: GatewayError) -> dict[str, Any]:
 
 def error_reply(err: GatewayError) -> tuple[int, dict[str, str], bytes]:
     """``(status, headers, body)`` of ``err`` on a Messages route (``Retry-After`` and
-    ``WWW-Authenticate`` kept)."""
-    return err.status, dict(err.headers), _enc.encode(error_body(err))
+    ``WWW-Authenticate`` kept; a tenant's 429 has Anthropic's ``anthropic-ratelimit-*``
+    headers instead of OpenAI's ``x-ratelimit-*``)."""
+    headers = dict(err.headers)
+    if isinstance(err, RateLimited):
+        headers = {k: v for k, v in headers.items() if not k.startswith("x-ratelimit-")}
+        headers.update(anthropic_rate_headers(err.limits, err.decision, err.at))
+    return err.status, headers, _enc.encode(error_body(err))
 
 
 @dataclass(slots=True)
@@ -146,6 +169,8 @@ class MessagesShaper:
         tool_parser: ToolCallFactory | None = None,
     ) -> None:
         self.stream = valid.stream
+        #: Whether the shell should ask for keep-alive pings while the stream waits.
+        self.pings = valid.stream
         self.request_id = request_id
         self.message_id = f"msg_{request_id}"
         self.model = model
@@ -210,6 +235,16 @@ class MessagesShaper:
             choice.fail()
         self._event("error", error_body(err))
         return self._take()
+
+    def ping(self) -> bytes:
+        """A keep-alive ``ping`` (after ``message_start``, sent now if it was not yet); nothing
+        once the stream has ended or when not streaming."""
+        if self._closed or not self.stream:
+            return b""
+        if not self._announced:
+            self._announce()  # message_start, then its ping
+            return self._take()
+        return PING
 
     def end(self) -> bytes:
         choice = self.choices[0]
@@ -292,7 +327,7 @@ class MessagesShaper:
         }
         message = self._message([], None, None, usage)
         self._event("message_start", {"type": "message_start", "message": message})
-        self._event("ping", {"type": "ping"})
+        self._buf += PING
 
     def _apply(self, cd: ChoiceDelta) -> None:
         if cd.reasoning:

@@ -39,10 +39,10 @@ from typing import Any
 
 import httpx
 import trio
-from sieproxy.serve import build_app, serve
 
 from engine.fake import DefaultScript, FakeEngine
-from sieproxy.settings import GatewaySettings, ModelSettings, Settings
+from sieproxy.operations.serve import build_app, serve
+from sieproxy.settings.load import GatewaySettings, ModelSettings, Settings
 
 MODEL = "bench-model"
 KEY_A = "sk-bench-tenant-a"

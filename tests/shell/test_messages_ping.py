@@ -15,10 +15,10 @@ from typing import Any
 import anthropic
 import pytest
 import trio
-from sieproxy.timers import WaitTimer
 
 from engine.fake import FakeEngine, Fault, Plan
-from sieproxy.settings import Settings
+from sieproxy.relay.timers import WaitTimer
+from sieproxy.settings.load import Settings
 
 from .harness import MODEL, running_gateway
 from .test_faults import aborted_once, faulty, settled, still_serves

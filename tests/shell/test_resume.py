@@ -105,7 +105,7 @@ def texts(r: Any, stream: bool) -> tuple[list[str], list[str | None], dict[str, 
             assert reasons[i] is None, "text after the choice's finish"
             out[i] += c["delta"].get("content") or ""
             reasons[i] = c.get("finish_reason")
-    return out, reasons, events[-2]["usage"]
+    return out, reasons, events[-2].get("usage") or {}
 
 
 def ask(stream: bool, **extra: Any) -> dict[str, Any]:
@@ -353,3 +353,84 @@ async def test_a_client_leaving_during_a_resume_aborts_everything(protocol: str)
         await settled(engine)
         assert calls([engine], protocol, "rs-left") == 2
         assert OTHER != MODEL
+
+
+# ---- soak: engines killed and restarted mid-stream -----------------------------------------
+
+LONG = [f" s{k}" for k in range(40)]
+
+
+def long_answer(call: Call) -> Plan:
+    """:data:`LONG` from where the request's text left it, one token per 25 ms."""
+    text = said(call)
+    k = max(j for j in range(len(LONG) + 1) if text.endswith("".join(LONG[:j])))
+    return Plan(LONG[k:], itl=0.025)
+
+
+@pytest.mark.slow
+async def test_soak_streams_while_a_replica_is_killed_and_restarted(protocol: str) -> None:
+    """20 concurrent streams (and 4 non-streaming requests) on two replicas; replica 0 is
+    killed mid-stream (its connections cut), restarted, killed and restarted again. Every
+    answer is the whole text, or a clean error event then ``[DONE]``; nothing is left running
+    on either engine (no generation leaked), and the gateway still serves."""
+    from .harness import _serving, settings_for
+
+    engines = [fake(protocol, long_answer), fake(protocol, long_answer)]
+    results: dict[int, Any] = {}
+    whole = "".join(LONG)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            scopes: list[trio.CancelScope] = []
+
+            async def run(e: FakeEngine, port: int, *, task_status: Any) -> None:
+                with trio.CancelScope() as scope:
+                    scopes.append(scope)
+                    await e.serve("127.0.0.1", port, task_status=task_status)
+
+            ports = [await nursery.start(run, e, 0) for e in engines]
+            settings = settings_for(ports, protocol, breaker_failures=1000)
+            settings.models[MODEL].max_resumes = 2
+            async with _serving(settings, engines, True) as gw:
+
+                async def one(k: int) -> None:
+                    stream = k % 12 < 10  # 20 streams, 4 whole answers
+                    r = await post(gw, f"soak{k}", stream=stream, max_tokens=64)
+                    results[k] = (stream, r)
+
+                pool = gw.state.pools[MODEL]
+                async with trio.open_nursery() as clients:
+                    for wave in range(2):  # each: 12 requests, replica 0 killed and restarted
+                        with trio.fail_after(10):
+                            while not all(r.ready for r in pool.replicas):
+                                await trio.sleep(0.02)
+                        for k in range(12 * wave, 12 * wave + 12):
+                            clients.start_soon(one, k)
+                        with trio.fail_after(10):
+                            await engines[0].wait_for(lambda: len(engines[0].running) >= 3)
+                        engines[0].close_listener()  # (frees the port at once)
+                        scopes.pop(0).cancel()
+                        await trio.sleep(0.2)
+                        await nursery.start(run, engines[0], ports[0])
+                        scopes.insert(0, scopes.pop())
+                for k, (stream, r) in sorted(results.items()):
+                    assert r.status_code in (200, 502, 503, 504), (k, r.text)
+                    if r.status_code != 200:
+                        check_status_error(r, r.status_code)
+                        continue
+                    if not stream:
+                        assert r.json()["choices"][0]["message"]["content"] == whole, k
+                        continue
+                    events = sse_events(r.text)
+                    assert events[-1] == "[DONE]", k
+                    if any(isinstance(e, dict) and "error" in e for e in events):
+                        check_sse_error_tail(r.text)
+                    else:
+                        out, _reasons, _usage = texts(r, True)
+                        assert out == [whole], (k, out)
+                for e in engines:
+                    await settled(e)
+                metrics = await scrape(gw)
+                resumed = sample(metrics, "sieproxy_resumes_total", model=MODEL, cause="cut")
+                assert resumed is not None and resumed >= 1
+                await still_serves(gw)
+            nursery.cancel_scope.cancel()

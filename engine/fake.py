@@ -612,6 +612,10 @@ class FakeEngine:
         #: False: logprobs are accepted in a request and never returned (as some
         #: OpenAI-compatible servers do); the text and the finish are unchanged.
         self.returns_logprobs = True
+        #: False: a chat request continuing its last assistant message (vLLM's
+        #: ``continue_final_message``, an assistant prefill) is refused with a 400, as an
+        #: OpenAI-compatible server without prefills does.
+        self.accepts_prefill = True
         #: OpenAI mode: a request's name in the records and for the script (its rid), read
         #: from its body; ``None`` (or no name): a generated ``cmpl-`` id.
         self.name_request: Callable[[dict[str, Any]], str | None] | None = None
@@ -1240,6 +1244,8 @@ class FakeEngine:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise _BadRequest(400, _openai_error("messages must be a non-empty list"))
+        if body.get("continue_final_message") and not self.accepts_prefill:
+            raise _BadRequest(400, _openai_error("continue_final_message is not supported"))
         prompt = "\n".join(_message_text(m) for m in messages)
         n = body.get("n") or 1
         if not isinstance(n, int) or n < 1:

@@ -107,6 +107,7 @@ class Replica:
 class ModelPool:
     """The replicas of one model."""
     first_token: float | None = None  # the model's ``first_token_timeout`` (sieproxy.relay.attempt)
+    max_resumes = 1  # the model's ``max_resumes`` (sieproxy.relay.resume)
 
     def __init__(
         self,

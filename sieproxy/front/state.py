@@ -161,6 +161,7 @@ def build_state(settings: Settings) -> GatewayState:
         pools[settings.embedded_engine.served_name].launch_token = secrets.token_urlsafe(16)
     for name, m in models.items():
         pools[name].first_token = m.first_token_timeout
+        pools[name].max_resumes = m.max_resumes
         if not m.tokenizer and not m.chat_template and m.render_mode() == "gateway":
             pools[name].gate_open = False  # discover the template from the engine first
     active: set[GenerationBody] = set()

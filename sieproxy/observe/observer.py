@@ -45,7 +45,7 @@ CLIENT_CLOSED = 499
 NO_RESPONSE = 444
 
 #: Why a request moved to a fallback (sieproxy/relay/fallback.py).
-FALLBACK_CAUSES = ("no_replica", "full", "failed", "first_token", "context")
+FALLBACK_CAUSES = ("no_replica", "full", "failed", "first_token", "context", "resume")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -195,7 +195,15 @@ class Observer:
             "Requests moved before any byte to a fallback of the model they named, by cause "
             "(no_replica: none ready; full: no room past admission_wait; failed: the engine "
             "failed in a way the retry table allows; first_token: nothing within the model's "
-            "first_token_timeout; context: the prompt too long for the model).",
+            "first_token_timeout; context: the prompt too long for the model; resume: a broken "
+            "stream continued on a fallback).",
+            ["model", "cause"],
+            registry=r,
+        )
+        self.resumes = Counter(
+            "sieproxy_resumes",
+            "Candidates whose stream broke after output and continued on another attempt, by "
+            "cause (cut, error_event, stall, malformed).",
             ["model", "cause"],
             registry=r,
         )
@@ -302,6 +310,7 @@ class Observer:
                         "replica": None,
                         "abort_causes": None,
                         "retried": False,
+                        "resumes": None,
                         "error_code": code,
                         "sdk_version": sdk_version,
                         "tenant": tenant,
@@ -346,6 +355,8 @@ class Observer:
             child(self.aborts, model, cause).inc(k)
         if s.retried:
             child(self.retries, model).inc()
+        for cause, k in s.resumes.items():
+            child(self.resumes, model, cause).inc(k)
         if s.tenant is not None:
             self._tenant_done(s, status)
         if self._access and access_log.isEnabledFor(logging.INFO):
@@ -366,6 +377,7 @@ class Observer:
                         "replica": s.replica,
                         "abort_causes": s.abort_causes or None,
                         "retried": s.retried,
+                        "resumes": s.resumes or None,
                         "error_code": None if s.error is None else s.error.code,
                         "sdk_version": s.sdk_version,
                         "tenant": s.tenant,

@@ -24,6 +24,8 @@ class RequestStats:
     first_token_at: float | None = None
     abort_causes: dict[str, int] = field(default_factory=dict)
     retried: bool = False
+    #: Broken streams resumed elsewhere, by cause (sieproxy/relay/resume.py).
+    resumes: dict[str, int] = field(default_factory=dict)
     error: GatewayError | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0

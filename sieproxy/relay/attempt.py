@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -38,6 +38,9 @@ from ..observe.stats import RequestStats
 from ..settings.load import GatewaySettings
 from .candidate import SHOWN, Candidate, Event, Step
 
+if TYPE_CHECKING:
+    from .resume import Resumer
+
 __all__ = ["Attempt"]
 
 log = logging.getLogger("sieproxy.relay")
@@ -56,9 +59,11 @@ class Attempt:
         "client",
         "deadline",
         "g",
+        "model",
         "pool",
         "proto",
         "replica",
+        "resumer",
         "retry_no",
         "stats",
         "unsent",
@@ -84,6 +89,8 @@ class Attempt:
         self.stats = stats
         self.deadline = deadline
         self.retry_no = 0  # how many attempts of the request came before this one
+        self.resumer: Resumer | None = None  # continues a broken candidate (sieproxy.relay.resume)
+        self.model: str | None = None  # the engines' model, if not the request's (a resume)
         self.cands: list[Candidate] = []
         # The engine's finish of a candidate cancelled while its task waited to queue it (the
         # channel was full): ``settle`` hands it to the shaper in its place.
@@ -131,7 +138,8 @@ class Attempt:
         head = self.first
         if until < math.inf:
             head = max(min(head, until - trio.current_time()), 0.0)
-        path, payload = self.proto.request(self.bodies[i], self.stats.endpoint, self.stats.model)
+        model = self.model or self.stats.model
+        path, payload = self.proto.request(self.bodies[i], self.stats.endpoint, model)
         return self.client.stream(self.replica.url, path, payload, head_timeout=head)
 
     async def send_all(self, sent: list[Exchange | Exception]) -> None:
@@ -202,9 +210,10 @@ class Attempt:
                 log.warning("abort of %s on %s failed", rid, self.replica.url)
 
     def settle(
-        self, c: Candidate, err: GatewayError | None
+        self, c: Candidate, err: GatewayError | None, *, record: bool = True
     ) -> CandidateFinish | GatewayError | None:
-        """What the shaper must still see of an ended candidate (and the replica's record)."""
+        """What the shaper must still see of an ended candidate (and, with ``record``, the
+        replica's record)."""
         if err is not None:
             c.to(Step.FAIL)
         cause = c.cause
@@ -228,7 +237,7 @@ class Attempt:
             self.pool.record_success(self.replica)
             return None
         engine_status = getattr(err, "engine_status", None)  # (EngineHTTPError's)
-        if isinstance(err, UpstreamError) and breaker_counts(engine_status, err.status):
+        if record and isinstance(err, UpstreamError) and breaker_counts(engine_status, err.status):
             self.pool.record_failure(self.replica)
         if cause in ("client", "done", "retry", "error"):
             return None
@@ -243,36 +252,55 @@ class Attempt:
     ) -> None:
         """Stream candidate ``i`` from the engine into the channel (``n`` > 1); ``sent``: its
         request as ``GenerationBody.open`` sent it (or why it could not), else it is sent
-        here."""
-        c = self.cands[i]
-        scope = c.scope
-        assert scope is not None
-        err: GatewayError | None = None
+        here. A broken stream may continue on another attempt (``sieproxy.relay.resume``)."""
         with send:
-            try:
-                with scope:
-                    try:
-                        c.mark_sent()  # from here an early end aborts it, unless the engine refused
-                        if isinstance(sent, Exception):  # open() could not send it
-                            raise sent
-                        since = trio.current_time()
-                        async with sent or self.open(i) as resp:
-                            c.to(Step.HEAD)
-                            await self._feed(c, resp, send, scope, since)
-                    except GatewayError as e:
-                        err = e
-                        if isinstance(e, EngineUnreachable | EngineHTTPError):
-                            c.refused()
-                    except trio.TooSlowError:  # no response head within the first-token limit
-                        err = self.expired(c)
-                if scope.cancelled_caught and c.cause is None:
-                    err = self.expired(c)  # the request's deadline or the gap (_feed)
-            finally:
-                # Runs on every exit, including the client leaving (an outer cancellation).
-                await self.abort(c, err)
-            last = self.settle(c, err)
+            att: Attempt | None = self
+            while att is not None:
+                c = att.cands[i]
+                err = await att._stream(c, send, sent)
+                sent = None
+                got = None
+                if err is not None and att.resumer is not None:
+                    got = await att.resumer.resume(c, att, err)
+                if got is None:
+                    last = att.settle(c, err)
+                elif got.att is None:
+                    last = got.last
+                att = None if got is None else got.att
             if last is not None:
                 await send.send((i, last))
+
+    async def _stream(
+        self, c: Candidate, send: trio.MemorySendChannel[Event], sent: Exchange | Exception | None
+    ) -> GatewayError | None:
+        """One attempt of ``run``: the candidate's stream into the channel; why it ended early
+        (it was aborted on the way out if the engine may still be generating it)."""
+        scope = c.scope
+        assert scope is not None
+        i = c.index
+        err: GatewayError | None = None
+        try:
+            with scope:
+                try:
+                    c.mark_sent()  # from here an early end aborts it, unless the engine refused
+                    if isinstance(sent, Exception):  # open() could not send it
+                        raise sent
+                    since = trio.current_time()
+                    async with sent or self.open(i) as resp:
+                        c.to(Step.HEAD)
+                        await self._feed(c, resp, send, scope, since)
+                except GatewayError as e:
+                    err = e
+                    if isinstance(e, EngineUnreachable | EngineHTTPError):
+                        c.refused()
+                except trio.TooSlowError:  # no response head within the first-token limit
+                    err = self.expired(c)
+            if scope.cancelled_caught and c.cause is None:
+                err = self.expired(c)  # the request's deadline or the gap (_feed)
+        finally:
+            # Runs on every exit, including the client leaving (an outer cancellation).
+            await self.abort(c, err)
+        return err
 
     async def _feed(
         self,

@@ -51,6 +51,7 @@ from .failover import Failover, retry_bodies
 from .inline import QUIET, InlineReader
 from .merge import Merger, buffered
 from .pump import Outlet, Pump
+from .resume import Resumer
 from .timers import WaitTimer, sweep_stalls
 
 if TYPE_CHECKING:
@@ -148,6 +149,8 @@ class GenerationBody:
             stats=self.stats,
             deadline=self._deadline,
         )
+        if pool.max_resumes:  # a broken stream continues elsewhere (sieproxy/relay/resume.py)
+            up.resumer = Resumer(self._g, pool, self._hints, bodies, self._fo.fallback)
         if self._k == 1:  # n = 1 (no best_of): the response task reads it itself
             self._il = InlineReader(
                 up, self, clock=self._now, timer=self._timer, pump=self._pump, ping=self._ping
@@ -195,6 +198,8 @@ class GenerationBody:
                 self._on_done(self)
 
     def _release(self) -> None:
+        if self._up.resumer is not None:
+            self._up.resumer.release()
         if self._held:
             self._up.pool.release(self._up.replica, self._held)
             self._held = 0

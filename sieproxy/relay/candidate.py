@@ -103,6 +103,14 @@ class Candidate:
         self.sent = True
         self.to(Step.SEND)
 
+    def restart(self, reader: CandidateReader) -> None:
+        """The candidate continues on a new attempt (a resume of its broken stream,
+        ``sieproxy.relay.resume``): live again, read by ``reader``."""
+        self.reader = reader
+        self.phase = Phase.NEW
+        self.cause = None
+        self.engine_done = self.sent = self.heard = self.aborted = False
+
     def refused(self) -> None:
         """The engine did not take the request (no connection, an error status): nothing to
         abort."""

@@ -90,7 +90,7 @@ def upstream_of(exc: GatewayError) -> UpstreamError | None:
 class Failover:
     """One request's retries and fallbacks before its first byte (see the module docstring)."""
 
-    __slots__ = ("_draw", "_fallback", "_g", "tried")
+    __slots__ = ("_draw", "_g", "fallback", "tried")
 
     def __init__(
         self,
@@ -99,7 +99,7 @@ class Failover:
         draw: Callable[[], float] = random.random,
     ) -> None:
         self._g = g
-        self._fallback = fallback
+        self.fallback = fallback  # (also the resumes', sieproxy.relay.resume)
         self._draw = draw
         self.tried = Tried()
 
@@ -133,10 +133,10 @@ class Failover:
                     continue
                 await self._take(body, move, d.kind, r, pause=d.pause)
                 return move
-            if self._fallback is None:
+            if self.fallback is None:
                 continue
             cause = _CAUSE.get(d.kind, "failed") if move == "fallback" else "context"
-            route = await self._fallback(cause, body.replica)
+            route = await self.fallback(cause, body.replica)
             if route is None:
                 continue
             self.tried.took(move)

@@ -113,7 +113,8 @@ class Fallbacks:
                 replica = await pool.acquire(hints, len(plan.bodies), exclude=exclude, wait=False)
             except GatewayError:
                 continue  # this target cannot take the request: the next one
-            self.current = plan
+            if cause != "resume":  # a resumed candidate keeps the response's shaper
+                self.current = plan
             self._observer.fallback(self.model, cause)
             return Route(model, pool, replica, hints, plan.bodies, plan.shaper)
         return None

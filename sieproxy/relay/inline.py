@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import trio
 
 from ..core.errors import EngineHTTPError, EngineUnreachable, GatewayError
-from ..core.upstream.protocol import ExpressLane
+from ..core.upstream.protocol import CandidateReader, ExpressLane
 from ..fleet.client import Exchange, UpstreamResponse
 from .attempt import Attempt
 from .candidate import Candidate, Event, Step
@@ -160,7 +160,13 @@ class InlineReader(Candidate):
     # ------------------------------------------------------------------ reading
     async def next(self) -> list[Event]:
         """The candidate's next events; ``[]`` at its end. Errors come back as an event after
-        the candidate was cleaned up."""
+        the candidate was cleaned up; a broken stream resumed elsewhere reads on."""
+        while True:
+            events = await self._next()
+            if events or self.closed:
+                return events  # (nothing, and not closed: it resumed on a new attempt)
+
+    async def _next(self) -> list[Event]:
         if self.closed:
             return []
         if self.cause is not None:  # stopped or aborted from outside (stall)
@@ -329,8 +335,22 @@ class InlineReader(Candidate):
         """End the candidate: abort it upstream if the engine may still be generating, release
         its connection, and return what the shaper must still see."""
         await self.close(err)
-        last = self.att.settle(self, err)
+        att = self.att
+        if err is not None and att.resumer is not None:
+            got = await att.resumer.resume(self, att, err)
+            if got is not None:
+                if got.att is not None:  # reopened there: ``next`` reads on
+                    self.att = got.att
+                    return []
+                return [] if got.last is None else [(0, got.last)]
+        last = att.settle(self, err)
         return [] if last is None else [(0, last)]
+
+    def restart(self, reader: CandidateReader) -> None:
+        super().restart(reader)
+        self.closed = self.fired = False
+        self.holder = None  # (``close`` dropped its timer entry)
+        self.cm = self.resp = self.failed = self.stash = self.express = None
 
     async def close(self, err: GatewayError | None = None) -> None:
         if self.closed:

@@ -162,6 +162,8 @@ def check_settings(s: Settings, where: str, *, keys: bool = True) -> None:
             raise bad(f"models.{name}.routing", f"one of {modes}, not {m.routing!r}")
         if m.first_token_timeout is not None and m.first_token_timeout <= 0:
             raise bad(f"models.{name}.first_token_timeout", "must be a positive number of seconds")
+        if m.max_resumes < 0:
+            raise bad(f"models.{name}.max_resumes", "must be >= 0 (0: a broken stream ends)")
         _check_cache_aware(name, m, bad)
         if m.max_tool_calls < 1:
             raise bad(f"models.{name}.max_tool_calls", "must be >= 1")

@@ -159,6 +159,9 @@ class ModelSettings(_Conf):
     #: moves to another replica or a fallback (None: ``token_gap_timeout`` applies, and a
     #: timeout is not retried).
     first_token_timeout: float | None = None
+    #: Times one candidate's stream may be resumed elsewhere after it broke mid-output
+    #: (sieproxy/relay/resume.py); 0: never (the stream's error event, as before).
+    max_resumes: int = 1
     #: Chat template source: a local tokenizer directory, or an inline Jinja template.
     tokenizer: str | None = None
     chat_template: str | None = None

@@ -32,6 +32,7 @@ from .test_faults import (
     check_status_error,
     fake,
     generate_rids,
+    no_resumes,
     post,
     settled,
     still_serves,
@@ -394,17 +395,23 @@ async def test_the_gateways_own_context_check_moves_to_a_context_fallback() -> N
 @STREAMS
 async def test_a_stream_that_finished_but_never_sent_done(protocol: str, stream: bool) -> None:
     """The engine's body ends after its last token's finish, without ``[DONE]``. SGLang's
-    finish is its last chunk, and the chat pass-through's reader takes the finish as the
-    answer's end: the answer is complete. The OpenAI completions reader waits for the usage
-    chunk that follows the finish: a clean error (after the first byte: no retry)."""
+    finish is its last chunk: the answer is complete. The OpenAI protocol's finish waits for
+    the usage chunk that follows it: the cut stream had finished, so it is complete too (the
+    resume's first check, sieproxy/relay/resume.py), its usage the tokens counted; one attempt.
+    With ``max_resumes = 0`` the OpenAI protocol's answer is the clean error."""
     engine = fake(protocol, always(Plan(TOKENS, fault=Fault.eof(len(TOKENS)))))
     async with running_gateway(engine, protocol=protocol) as gw:
         r = await post(gw, "fo-nodone", stream=stream, max_tokens=len(TOKENS))
         assert attempts(engine, protocol, "fo-nodone") == 1
-        if protocol in ("sglang", "openai-chat"):
-            assert r.status_code == 200, r.text
-            assert text_of(r, stream) == "".join(TOKENS)
-        elif stream:
+        assert r.status_code == 200, r.text
+        assert text_of(r, stream) == "".join(TOKENS)
+        if not stream:
+            assert r.json()["usage"]["completion_tokens"] == len(TOKENS)
+    if protocol != "openai":  # (the fake's chat stream carries its usage in the finish chunk)
+        return
+    async with running_gateway(engine, protocol=protocol, settings_hook=no_resumes) as gw:
+        r = await post(gw, "fo-nodone2", stream=stream, max_tokens=len(TOKENS))
+        if stream:
             err, _events = check_sse_error_tail(r.text)
             assert err["code"] == "upstream_truncated"
         else:
@@ -461,9 +468,10 @@ async def test_a_primary_flapping_under_20_requests(protocol: str) -> None:
 async def test_a_malformed_event_mid_stream(protocol: str, stream: bool) -> None:
     """A chunk that does not decode after two tokens, then the stream goes on. SGLang's
     cumulative text repeats the whole state in the next chunk: skipped, the answer is whole.
-    The OpenAI protocol's chunks are deltas: the stream's clean error."""
+    The OpenAI protocol's chunks are deltas: with ``max_resumes = 0``, the stream's clean
+    error (resumed by default: test_resume.py)."""
     engine = fake(protocol, always(Plan(TOKENS, fault=Fault.malformed(2, goes_on=True))))
-    async with running_gateway(engine, protocol=protocol) as gw:
+    async with running_gateway(engine, protocol=protocol, settings_hook=no_resumes) as gw:
         r = await post(gw, "fo-bad", stream=stream, max_tokens=len(TOKENS))
         assert attempts(engine, protocol, "fo-bad") == 1
         if protocol == "sglang":

@@ -143,11 +143,18 @@ async def test_engine_failing_before_any_byte_falls_back(n: int, stream: bool) -
             assert fallbacks(await scrape(gw), "failed") == 1
 
 
+def two_models_no_resumes(settings: Settings) -> None:
+    """:func:`two_models` with ``max_resumes = 0``: a break after output is the answer's
+    error (with resumes, the default, it continues: test_resume.py)."""
+    two_models(settings)
+    settings.models[MODEL].max_resumes = 0
+
+
 async def test_engine_failing_after_the_first_byte_is_an_sse_error_not_a_fallback() -> None:
     script = SequenceScript([Plan(tokens=[" a", " b", " c", " d"], fault=Fault.reset(at=2))])
     engines = [FakeEngine(script), FakeEngine()]
     with trio.fail_after(30):
-        async with running_gateway(engines, settings_hook=two_models) as gw:
+        async with running_gateway(engines, settings_hook=two_models_no_resumes) as gw:
             r = await chat(gw, stream=True, max_tokens=4, request_id="mid")
             assert r.status_code == 200
             events = [e for e in sse_events(r.text) if e != "[DONE]"]
@@ -168,7 +175,7 @@ async def test_a_non_streaming_answer_failing_midway_is_an_error_not_a_fallback(
     script = SequenceScript([Plan(tokens=[" a", " b", " c", " d"], fault=Fault.reset(at=2))])
     engines = [FakeEngine(script), FakeEngine()]
     with trio.fail_after(30):
-        async with running_gateway(engines, settings_hook=two_models) as gw:
+        async with running_gateway(engines, settings_hook=two_models_no_resumes) as gw:
             r = await chat(gw, max_tokens=4, request_id="mid")
             assert r.status_code == 502, r.text
             assert gen_rids(engines[1]) == []

@@ -384,10 +384,17 @@ MID_STREAM: list[tuple[str, Plan, str]] = [
 MID_STREAM_CASES = pytest.mark.parametrize(("protocol", "plan", "code"), by_protocol(MID_STREAM))
 
 
+def no_resumes(s: Settings) -> None:
+    """``max_resumes = 0``: a stream broken after output ends with its error (these cases;
+    test_resume.py has the resumes, the default)."""
+    for m in s.models.values():
+        m.max_resumes = 0
+
+
 @MID_STREAM_CASES
 async def test_fault_after_first_chunk_streaming(protocol: str, plan: Plan, code: str) -> None:
     engine = fake(protocol, faulty(plan))
-    async with running_gateway(engine, protocol=protocol) as gw:
+    async with running_gateway(engine, protocol=protocol, settings_hook=no_resumes) as gw:
         r = await post(gw, "fault2", stream=True)
         assert r.status_code == 200, r.text
         err, events = check_sse_error_tail(r.text)
@@ -422,7 +429,7 @@ MID_STATUS = {
 async def test_fault_after_first_chunk_non_streaming(protocol: str, plan: Plan, code: str) -> None:
     """Not streaming: the whole answer is collected first, so any fault is a status."""
     engine = fake(protocol, faulty(plan))
-    async with running_gateway(engine, protocol=protocol) as gw:
+    async with running_gateway(engine, protocol=protocol, settings_hook=no_resumes) as gw:
         r = await post(gw, "fault3", stream=False)
         err = check_status_error(r, MID_STATUS[code])
         assert err["code"] == code
@@ -452,7 +459,10 @@ async def test_engine_hang_times_out_and_aborts(
     anywhere ends the request within a bounded time and aborts the hung rid upstream (n = 1:
     the response task's own reads; n = 2: each candidate task's)."""
     engine = fake(protocol, faulty(Plan(TOKENS, fault=fault)))
-    async with running_gateway(engine, protocol=protocol, token_gap_timeout=0.5) as gw:
+    hook = no_resumes
+    async with running_gateway(
+        engine, protocol=protocol, token_gap_timeout=0.5, settings_hook=hook
+    ) as gw:
         for stream in (False, True):
             rid = f"fault-hang{int(stream)}"
             r, elapsed = await timed_post(gw, rid, stream=stream, n=n)
@@ -691,7 +701,7 @@ async def test_n128_one_candidate_fails(protocol: str) -> None:
         return Plan([f" c{k}" for k in range(500)], itl=0.02)
 
     engine = fake(protocol, script)
-    async with running_gateway(engine, protocol=protocol) as gw:
+    async with running_gateway(engine, protocol=protocol, settings_hook=no_resumes) as gw:
         r = await post(gw, "fan", stream=True, n=128, max_tokens=500)
         assert r.status_code == 200, r.text
         err, events = check_sse_error_tail(r.text)

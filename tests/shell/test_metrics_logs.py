@@ -198,7 +198,9 @@ async def test_metrics_agree_with_traffic() -> None:
             assert r.status_code == 200
             assert "error" in sse_events(r.text)[-2]
             m, text = await scrape(gw)
-            assert get(m, "sieproxy_upstream_aborts_total", model=MODEL, cause="error") == 1
+            # The broken stream and its resume (which broke too), each aborted once.
+            assert get(m, "sieproxy_upstream_aborts_total", model=MODEL, cause="error") == 2
+            assert sum(v for (name, _l), v in m.items() if name == "sieproxy_resumes_total") == 1
             assert get(m, "sieproxy_time_to_first_token_seconds_count", model=MODEL) == 7
 
             assert_no_user_data(text)
@@ -285,7 +287,7 @@ async def test_refused_requests_are_counted() -> None:
 #: The fields of every access-log line, whatever became of the request.
 FIELDS = {
     "request_id", "endpoint", "model", "status", "outcome", "n", "stream", "prompt_tokens",
-    "completion_tokens", "ttft_ms", "duration_ms", "replica", "abort_causes", "retried",
+    "completion_tokens", "ttft_ms", "duration_ms", "replica", "abort_causes", "retried", "resumes",
     "error_code", "sdk_version", "tenant", "admission_wait_ms", "cached_tokens",
     "cached_tokens_predicted",
 }  # fmt: skip

@@ -42,6 +42,7 @@ from .test_faults import (
     check_sse_error_tail,
     faulty,
     generate_rids,
+    no_resumes,
     post,
     settled,
     still_serves,
@@ -337,7 +338,7 @@ async def test_a_fault_while_carried_ends_the_stream_as_the_task_would(
     plan: Plan, code: str, counts: _Counts
 ) -> None:
     engine = FakeEngine(script=faulty(plan))
-    async with running_gateway(engine) as gw:
+    async with running_gateway(engine, settings_hook=no_resumes) as gw:  # (resumes: test_resume)
         r = await post(gw, "fault-carried", stream=True)
         err, events = check_sse_error_tail(r.text)
         assert err["code"] == code, err
@@ -353,7 +354,7 @@ async def test_a_fault_while_carried_ends_the_stream_as_the_task_would(
 async def test_a_hang_while_parked_times_out_and_aborts(counts: _Counts) -> None:
     """The wait timer takes a parked stream out of the pump before it closes its connection."""
     engine = FakeEngine(script=faulty(Plan(TOKENS, itl=0.02, fault=Fault.hang(5))))
-    async with running_gateway(engine, token_gap_timeout=0.5) as gw:
+    async with running_gateway(engine, token_gap_timeout=0.5, settings_hook=no_resumes) as gw:
         t0 = trio.current_time()
         r = await post(gw, "fault-hang", stream=True)
         assert trio.current_time() - t0 < 5

@@ -69,6 +69,7 @@ from ..errors import (
 )
 from ..shaping.events import CandidateDelta, CandidateFinish, TokenLogprob, TopLogprob
 from .openai_chat import NEG_INF_LOGPROB, OpenAIChatReader, chat_request, stream_error
+from .resume import Progress
 from .sse import SSEDecoder
 
 __all__ = ["OPENAI", "OpenAICompat", "OpenAIReader"]
@@ -124,10 +125,11 @@ class OpenAIReader:
     """One candidate's streamed ``/v1/completions`` body (a :class:`~.protocol.CandidateReader`;
     see the module docstring)."""
 
-    __slots__ = ("_decoder", "_finish", "_finished", "_prompt", "_tokens", "done")
+    __slots__ = ("_decoder", "_finish", "_finished", "_pieces", "_prompt", "_tokens", "done")
 
     def __init__(self, *, max_line: int = 1 << 20) -> None:
         self._decoder = SSEDecoder(max_line)
+        self._pieces: list[str] = []  # the text so far (a resume continues after it)
         self._tokens = 0
         self._prompt = 0
         self._finish: CandidateFinish | None = None  # read, waiting for the usage
@@ -177,6 +179,8 @@ class OpenAIReader:
             lps = self._logprobs(choice.logprobs)
             self._tokens += len(lps) if choice.logprobs is not None else (1 if choice.text else 0)
             if choice.text or lps:
+                if choice.text:
+                    self._pieces.append(choice.text)
                 out.append(CandidateDelta(choice.text, self._tokens, lps, self._prompt))
             if choice.finish_reason is not None:
                 matched = choice.stop_reason if isinstance(choice.stop_reason, str) else None
@@ -225,6 +229,11 @@ class OpenAIReader:
 
     def express(self, shaper: object, index: int = 0) -> None:
         return None  # no fast path: every read takes ``feed``
+
+    def progress(self) -> Progress:
+        """The output so far (for a resume, ``core.upstream.resume``)."""
+        held = None if self._finished else self._finish
+        return Progress("".join(self._pieces), self._tokens, self._prompt, finish=held)
 
 
 class OpenAICompat:

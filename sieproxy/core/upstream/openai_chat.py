@@ -71,6 +71,7 @@ from ..shaping.events import (
     ToolCallDelta,
     TopLogprob,
 )
+from .resume import Progress
 from .sse import SSEDecoder
 
 __all__ = [
@@ -276,10 +277,14 @@ class OpenAIChatReader:
     """One candidate's streamed ``/v1/chat/completions`` body (a
     :class:`~.protocol.CandidateReader`; see the module docstring)."""
 
-    __slots__ = ("_decoder", "_finish", "_finished", "_prompt", "_tokens", "done")
+    __slots__ = (
+        "_decoder", "_finish", "_finished", "_parsed", "_pieces", "_prompt", "_tokens", "done",
+    )  # fmt: skip
 
     def __init__(self, *, max_line: int = 1 << 20) -> None:
         self._decoder = SSEDecoder(max_line)
+        self._pieces: list[str] = []  # the content so far (a resume continues after it)
+        self._parsed = False  # reasoning or tool calls came (a prefill cannot carry them)
         self._tokens = 0
         self._prompt = 0
         self._finish: CandidateFinish | None = None  # read, waiting for the usage
@@ -348,6 +353,10 @@ class OpenAIChatReader:
             self._tokens += len(lps)
         elif text or reasoning or calls:
             self._tokens += 1
+        if text:
+            self._pieces.append(text)
+        if reasoning or calls:
+            self._parsed = True
         if text or reasoning or calls or lps:
             out.append(CandidateDelta(text, self._tokens, lps, self._prompt, reasoning, calls))
         if choice.finish_reason is not None and self._finish is None:
@@ -394,3 +403,8 @@ class OpenAIChatReader:
 
     def express(self, shaper: object, index: int = 0) -> None:
         return None  # no fast path: every read takes ``feed``
+
+    def progress(self) -> Progress:
+        """The output so far (for a resume, ``core.upstream.resume``)."""
+        held = None if self._finished else self._finish
+        return Progress("".join(self._pieces), self._tokens, self._prompt, self._parsed, held)

@@ -23,10 +23,13 @@ Nothing here does I/O.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import GatewayError
 from ..shaping.events import CandidateDelta, CandidateFinish
+
+if TYPE_CHECKING:
+    from .resume import Progress
 
 __all__ = [
     "PROTOCOLS",
@@ -75,6 +78,11 @@ class CandidateReader(Protocol):
 
     def express(self, shaper: object, index: int = 0) -> ExpressLane | None:
         """The fast path of choice ``index`` of ``shaper``, or ``None`` where it never applies."""
+        ...
+
+    def progress(self) -> Progress:
+        """What the candidate produced so far (its raw text and counts), for a resume of its
+        stream should it break (:mod:`~.resume`)."""
         ...
 
 

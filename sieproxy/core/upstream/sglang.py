@@ -21,9 +21,12 @@ Text comes in two modes (engine flag ``--incremental-streaming-output``):
   this does not happen in practice).
 - incremental: ``text`` is a delta. Quirk: an abort chunk carries the *whole* accumulated text;
   when an abort chunk's text starts with everything emitted so far, only the rest is emitted.
-  The reader does not keep the emitted text for that check (a stream of many thousand tokens
-  would hold every piece): it keeps the emitted length and a CRC-32 of the emitted text's
-  UTF-8, so its memory is constant whatever the length of the stream.
+  The reader does not compare the emitted text for that check: it keeps the emitted length and
+  a CRC-32 of the emitted text's UTF-8.
+
+What the candidate produced so far (:meth:`GenerateReader.progress`, for a resume of a broken
+stream, :mod:`~.resume`) is the last cumulative text (a reference to the decoded chunk: nothing
+is copied), or in incremental mode the list of the pieces emitted.
 
 Logprob lists are placed by position, which covers both modes and the abort quirk at once: a
 list of ``m`` entries with ``output_token_logprobs_length == L`` holds positions ``[L-m, L)``;
@@ -96,6 +99,7 @@ from ..request.refusal import classify, engine_stream_error
 from ..shaping.choice import ChoicePhase, ChoiceState
 from ..shaping.events import CandidateDelta, CandidateFinish, TokenLogprob, TopLogprob
 from ..shaping.merger import StreamPhase, StreamShaper
+from .resume import Progress
 from .sse import SSEDecoder
 
 __all__ = [
@@ -249,7 +253,9 @@ class GenerateReader:
         "_crc",
         "_emitted",
         "_finished",
+        "_full",
         "_lp_seen",
+        "_pieces",
         "_prompt_tokens",
         "_skipped",
         "_tokens",
@@ -261,6 +267,8 @@ class GenerateReader:
         self.incremental = incremental
         self._emitted = 0  # characters of text emitted
         self._crc = 0  # incremental mode: CRC-32 of the emitted text, for the abort quirk
+        self._full = ""  # cumulative mode: the last chunk's text that emitted something
+        self._pieces: list[str] = []  # incremental mode: the pieces emitted
         self._lp_seen = 0
         self._tokens = 0
         self._prompt_tokens = 0
@@ -280,6 +288,11 @@ class GenerateReader:
     def finished(self) -> bool:
         """True once the terminal chunk (a finish reason) was read."""
         return self._finished
+
+    def progress(self) -> Progress:
+        """The output so far (the module docstring)."""
+        text = "".join(self._pieces) if self.incremental else self._full[: self._emitted]
+        return Progress(text, self._tokens, self._prompt_tokens)
 
     def feed(self, payload: str) -> tuple[CandidateDelta | None, CandidateFinish | None]:
         """Interpret one SSE data payload; ``[DONE]`` yields ``(None, None)``."""
@@ -324,7 +337,9 @@ class GenerateReader:
     def _new_text(self, text: str, finish: CandidateFinish | None) -> str:
         if not self.incremental:
             new = text[self._emitted :]
-            self._emitted += len(new)
+            if new:
+                self._emitted += len(new)
+                self._full = text
             return new
         if (
             finish is not None
@@ -337,6 +352,7 @@ class GenerateReader:
         if text:
             self._crc = zlib.crc32(text.encode(), self._crc)
             self._emitted += len(text)
+            self._pieces.append(text)
         return text
 
 
@@ -448,9 +464,13 @@ class Express:
             if text:
                 reader._crc = zlib.crc32(text.encode(), reader._crc)
                 reader._emitted += len(text)
+                reader._pieces.append(text)
         else:
-            text = text[reader._emitted :]
-            reader._emitted += len(text)
+            full = text
+            text = full[reader._emitted :]
+            if text:
+                reader._emitted += len(text)
+                reader._full = full
         tokens = meta.completion_tokens
         if text or tokens != reader._tokens:
             # The reader's delta, through ChoiceState.feed's plain case (a read with no delta
@@ -476,7 +496,8 @@ class Express:
             return None
         reader, choice = self._reader, self._choice
         saved = (reader._emitted, reader._crc, reader._tokens, reader._prompt_tokens,
-                 choice.completion_tokens, choice.prompt_tokens)  # fmt: skip
+                 choice.completion_tokens, choice.prompt_tokens, reader._full)  # fmt: skip
+        pieces = len(reader._pieces)
         frames = []
         start = 0
         while end >= 0:
@@ -489,7 +510,8 @@ class Express:
                 return b"".join(frames)
             end = data.find(b"\n\n", start)
         (reader._emitted, reader._crc, reader._tokens, reader._prompt_tokens,
-         choice.completion_tokens, choice.prompt_tokens) = saved  # fmt: skip
+         choice.completion_tokens, choice.prompt_tokens, reader._full) = saved  # fmt: skip
+        del reader._pieces[pieces:]
         return None
 
 
@@ -536,6 +558,9 @@ class NativeReader:
 
     def local_finish(self, reason: str = "abort") -> CandidateFinish:
         return self._reader.local_finish(reason)
+
+    def progress(self) -> Progress:
+        return self._reader.progress()
 
     def express(self, shaper: object, index: int = 0) -> Express | None:
         return Express.of(self._decoder, self._reader, shaper, index)

@@ -163,7 +163,7 @@ class InlineReader(Candidate):
         the candidate was cleaned up; a broken stream resumed elsewhere reads on."""
         while True:
             events = await self._next()
-            if events or self.closed:
+            if events or self.closed or events is QUIET:
                 return events  # (nothing, and not closed: it resumed on a new attempt)
 
     async def _next(self) -> list[Event]:

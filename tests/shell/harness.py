@@ -157,6 +157,14 @@ def least_loaded(s: Settings) -> None:
         m.routing = "least_loaded"
 
 
+def no_resumes(s: Settings) -> None:
+    """A ``settings_hook``: ``max_resumes = 0`` for every model, so a stream broken after output
+    ends with its error (the tests of that path; tests/shell/test_resume.py has the resumes,
+    the default)."""
+    for m in s.models.values():
+        m.max_resumes = 0
+
+
 @contextlib.asynccontextmanager
 async def running_gateway(
     engines: list[FakeEngine] | FakeEngine | None = None,

@@ -15,7 +15,7 @@ import trio
 from engine.fake import DefaultScript, FakeEngine, Fault, Plan, SequenceScript
 from sieproxy.settings.load import EngineSpec, FallbackSpec, Settings
 
-from .harness import MODEL, Gateway, running_gateway, sse_events
+from .harness import MODEL, Gateway, no_resumes, running_gateway, sse_events
 from .test_health import Switch, chat, gen_rids, sample, scrape, served_by, wait_until
 
 OTHER = "other-model"
@@ -147,7 +147,7 @@ def two_models_no_resumes(settings: Settings) -> None:
     """:func:`two_models` with ``max_resumes = 0``: a break after output is the answer's
     error (with resumes, the default, it continues: test_resume.py)."""
     two_models(settings)
-    settings.models[MODEL].max_resumes = 0
+    no_resumes(settings)
 
 
 async def test_engine_failing_after_the_first_byte_is_an_sse_error_not_a_fallback() -> None:

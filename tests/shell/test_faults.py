@@ -37,7 +37,15 @@ import trio
 from engine.fake import Call, DefaultScript, FakeEngine, Fault, FaultKind, Plan, abort_finish
 from sieproxy.settings.load import EngineSpec, Settings
 
-from .harness import MODEL, PROTOCOL_MODES, Gateway, host_port, running_gateway, sse_events
+from .harness import (
+    MODEL,
+    PROTOCOL_MODES,
+    Gateway,
+    host_port,
+    no_resumes,
+    running_gateway,
+    sse_events,
+)
 
 CHAT = "/v1/chat/completions"
 SECRET = "SECRET-ENGINE-TEXT"
@@ -382,13 +390,6 @@ MID_STREAM: list[tuple[str, Plan, str]] = [
     ("abort_400", Plan(TOKENS, finish=abort_finish(SECRET, 400, "X")), "invalid_request"),
 ]
 MID_STREAM_CASES = pytest.mark.parametrize(("protocol", "plan", "code"), by_protocol(MID_STREAM))
-
-
-def no_resumes(s: Settings) -> None:
-    """``max_resumes = 0``: a stream broken after output ends with its error (these cases;
-    test_resume.py has the resumes, the default)."""
-    for m in s.models.values():
-        m.max_resumes = 0
 
 
 @MID_STREAM_CASES

@@ -18,7 +18,15 @@ import trio
 from engine.fake import Call, DefaultScript, FakeEngine, Fault, Plan
 from sieproxy.settings.load import Settings
 
-from .harness import MODEL, Gateway, another_gateway, least_loaded, running_gateway, sse_events
+from .harness import (
+    MODEL,
+    Gateway,
+    another_gateway,
+    least_loaded,
+    no_resumes,
+    running_gateway,
+    sse_events,
+)
 from .test_health import (
     KillableEngine,
     Switch,
@@ -459,13 +467,15 @@ async def test_client_error_is_not_retried() -> None:
 
 @pytest.mark.parametrize("fault", ["reset", "error_event"])
 async def test_no_retry_after_first_byte(fault: str) -> None:
+    """With resumes off, a stream that breaks after output ends with its error and is not
+    retried (resumes, the default, continue it: test_resume.py)."""
     def base(call: Call) -> Plan:
         return Plan(tokens=["Hel", "lo", " wor", "ld"], itl=0.01)
 
     with trio.fail_after(20):
         script = Switch(base)
         engines = [FakeEngine(script=script), FakeEngine()]
-        async with running_gateway(engines) as gw:
+        async with running_gateway(engines, settings_hook=no_resumes) as gw:
             key = await find_key(gw, 0)
             script.fault = (
                 Fault.reset(at=2) if fault == "reset" else Fault.error_event(at=2, code=500)

@@ -21,7 +21,7 @@ from sieproxy.core.errors import AuthenticationError
 from sieproxy.front.auth import Authenticator
 from sieproxy.settings.load import Settings
 
-from .harness import MODEL, host_port, running_gateway, sse_events
+from .harness import MODEL, host_port, no_resumes, running_gateway, sse_events
 
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
@@ -206,7 +206,9 @@ async def test_engine_error_text_never_reaches_client(
     def script(call: Call) -> Plan:
         return plan if call.rid.startswith("bad") else DefaultScript()(call)
 
-    async with running_gateway(FakeEngine(script=script)) as gw:
+    # Resumes off: the engine's error is what the client is told about (a resumed answer would
+    # hide the path under test).
+    async with running_gateway(FakeEngine(script=script), settings_hook=no_resumes) as gw:
         with trio.fail_after(30):
             for i, stream in enumerate((False, True)):
                 r = await gw.client.post(

@@ -14,7 +14,7 @@ from ..core.request.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from ..surfaces.messages.request import (
+from ..surfaces.messages.schema import (
     MESSAGES_KNOWN_REJECTED,
     CountTokensRequest,
     MessagesRequest,

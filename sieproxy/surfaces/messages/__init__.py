@@ -22,7 +22,8 @@ from ...core.request.refusal import RequestFields
 from ...core.request.validate import check_chat
 from ..base import ErrorAnswer, Surface
 from ..generation import plan_chat_request, serving
-from .request import decode_count_tokens, decode_messages, for_model, translated
+from .paths import translated
+from .request import decode_count_tokens, decode_messages, for_model
 from .shaper import CountShaper, MessagesShaper, error_reply
 
 __all__ = ["COUNT_TOKENS", "MESSAGES", "CountTokensSurface", "MessagesSurface"]

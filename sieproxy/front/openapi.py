@@ -20,7 +20,7 @@ from ..surfaces.messages.schema import (
     MessagesRequest,
     MTool,
 )
-from ..surfaces.responses.request import (
+from ..surfaces.responses.schema import (
     RESPONSES_KNOWN_REJECTED,
     ResponsesRequest,
     RFunctionTool,

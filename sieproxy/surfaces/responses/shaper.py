@@ -53,7 +53,7 @@ from ...core.errors import GatewayError, InternalError
 from ...core.request.valid import ValidChat
 from ...core.shaping.choice import ChoiceState, ReasoningFactory, ToolCallFactory
 from ...core.shaping.events import CandidateDelta, CandidateFinish, ChoiceDelta, ToolCallDelta
-from .request import ResponsesRequest, RFormatText, RNamedTool
+from .schema import ResponsesRequest, RFormatText, RNamedTool
 
 __all__ = ["ResponsesShaper"]
 

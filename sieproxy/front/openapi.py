@@ -14,13 +14,13 @@ from ..core.request.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from ..surfaces.messages.request import (
+from ..surfaces.messages.schema import (
     MESSAGES_KNOWN_REJECTED,
     CountTokensRequest,
     MessagesRequest,
     MTool,
 )
-from ..surfaces.responses.request import (
+from ..surfaces.responses.schema import (
     RESPONSES_KNOWN_REJECTED,
     ResponsesRequest,
     RFunctionTool,

@@ -1,9 +1,10 @@
 """Metrics (Prometheus text format) and the structured access log.
 
 Both are fed once per request (:meth:`Observer.request_done`), never per chunk. Gauges of
-replica state are read from the pools at scrape time. No label carries user data: labels are
-the endpoint, the configured model name, the status code, the replica URL (from config) and the
-abort cause (a fixed vocabulary), and the tenant's name (from the keys file; never a key).
+replica state are read from the pools at scrape time (``collectors.py``). No label carries user
+data: labels are the endpoint, the configured model name, the status code, the replica URL
+(from config) and the abort cause (a fixed vocabulary), and the tenant's name (from the keys
+file; never a key).
 
 The access log is one JSON line per generation request on the ``sieproxy.access`` logger, with
 its real outcome: refused before it ran (its error status), left by its client before the
@@ -23,14 +24,13 @@ from typing import Any
 import msgspec
 import trio
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.registry import Collector
 
 from ..core.errors import GatewayError
 from ..fleet.pool import ModelPool
 from ..tenancy.limiter import Limiter
 from .cache_metrics import CacheRouteCollector
+from .collectors import LimiterCollector, PoolCollector
 from .stats import RequestStats
 
 __all__ = ["FALLBACK_CAUSES", "Observer"]
@@ -48,88 +48,6 @@ NO_RESPONSE = 444
 FALLBACK_CAUSES = ("no_replica", "full", "failed", "first_token", "context", "resume")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-
-
-class _PoolCollector(Collector):
-    def __init__(self, pools: dict[str, ModelPool], inflight: Callable[[], dict[str, int]]) -> None:
-        self._pools = pools
-        self._inflight = inflight
-
-    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
-        inflight = GaugeMetricFamily(
-            "sieproxy_replica_inflight_candidates",
-            "Candidates running on each engine replica.",
-            labels=["model", "replica"],
-        )
-        healthy = GaugeMetricFamily(
-            "sieproxy_replica_up",
-            "1 when the replica is ready and its circuit is closed.",
-            labels=["model", "replica"],
-        )
-        try:
-            now = trio.current_time()
-        except RuntimeError:
-            now = 0.0
-        for model, pool in self._pools.items():
-            for r in pool.replicas:
-                inflight.add_metric([model, r.url], r.inflight)
-                healthy.add_metric([model, r.url], 1.0 if r.available(now) else 0.0)
-        requests = GaugeMetricFamily(
-            "sieproxy_inflight_requests",
-            "Generation requests in flight (admitted, not yet fully sent).",
-            labels=["model"],
-        )
-        counts = self._inflight()
-        for model in self._pools:
-            requests.add_metric([model], counts.get(model, 0))
-        yield inflight
-        yield healthy
-        yield requests
-        yield from self._autoscaling(now)
-
-    def _autoscaling(self, now: float) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
-        """Per model, what an autoscaler reads (docs/DEPLOYMENT.md#autoscaling)."""
-        labels = ["model"]
-        waiting = GaugeMetricFamily(
-            "sieproxy_admission_waiting_requests",
-            "Requests waiting for a replica with room (admission_wait).",
-            labels=labels,
-        )
-        running = GaugeMetricFamily(
-            "sieproxy_running_candidates",
-            "Candidates running on the model's replicas from this process.",
-            labels=labels,
-        )
-        ready = GaugeMetricFamily(
-            "sieproxy_ready_replicas", "Replicas ready with a closed circuit.", labels=labels
-        )
-        configured = GaugeMetricFamily(
-            "sieproxy_replicas", "Replicas configured (ready or not).", labels=labels
-        )
-        unserved = CounterMetricFamily(
-            "sieproxy_unserved_requests",
-            "Requests answered 503 for want of a replica: no_ready_replica (pending demand of a "
-            "model with no replica: scale from zero) or at_capacity.",
-            labels=["model", "cause"],
-        )
-        engine_load = GaugeMetricFamily(
-            "sieproxy_replica_engine_load",
-            "Requests running and waiting on the replica as its engine last reported (all "
-            "gateways'); absent when the engine reports no load.",
-            labels=["model", "replica"],
-        )
-        for model, pool in self._pools.items():
-            waiting.add_metric([model], pool.waiting)
-            running.add_metric([model], sum(r.inflight for r in pool.replicas))
-            up = sum(1 for r in pool.replicas if r.available(now)) if pool.gate_open else 0
-            ready.add_metric([model], up)
-            configured.add_metric([model], len(pool.replicas))
-            for cause, count in pool.unserved.items():
-                unserved.add_metric([model, cause], count)
-            for r in pool.replicas:
-                if r.engine_load is not None:
-                    engine_load.add_metric([model, r.url], r.engine_load)
-        yield from (waiting, running, ready, configured, unserved, engine_load)
 
 
 class Observer:
@@ -213,7 +131,7 @@ class Observer:
         for model in with_fallbacks:  # exported at 0 from the start (rates need a series)
             for cause in FALLBACK_CAUSES:
                 self.fallbacks.labels(model, cause)
-        r.register(_PoolCollector(pools, inflight))
+        r.register(PoolCollector(pools, inflight))
         self.tenant_requests = Counter(
             "sieproxy_tenant_requests",
             "Generation requests by tenant and status.",
@@ -246,7 +164,7 @@ class Observer:
         """Export the limiter's Redis state, and feed it the usage ``sieproxy usage`` reads."""
         self._limiter = limiter
         if limiter.redis is not None:
-            self.registry.register(_LimiterCollector(limiter))
+            self.registry.register(LimiterCollector(limiter))
 
     def tenant_rejected(self, tenant: str, limit: str) -> None:
         self._child(self.tenant_rejections, tenant, limit).inc()
@@ -400,26 +318,3 @@ class Observer:
             self._limiter.count(tenant, "requests")
             self._limiter.count(tenant, "prompt_tokens", s.prompt_tokens)
             self._limiter.count(tenant, "completion_tokens", s.completion_tokens)
-
-
-class _LimiterCollector(Collector):
-    def __init__(self, limiter: Limiter) -> None:
-        self._limiter = limiter
-
-    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
-        up = GaugeMetricFamily(
-            "sieproxy_tenant_redis_up",
-            "1 while the tenants' counters are shared through Redis; 0 while Redis does not "
-            "answer and each process counts on its own.",
-        )
-        up.add_metric([], 1.0 if self._limiter.redis_up else 0.0)
-        errors = CounterMetricFamily(
-            "sieproxy_tenant_redis_errors", "Redis calls of the limiter that failed or timed out."
-        )
-        errors.add_metric([], self._limiter.redis_errors)
-        pending = GaugeMetricFamily(
-            "sieproxy_tenant_usage_pending",
-            "Usage counts kept in the process until Redis takes them.",
-        )
-        pending.add_metric([], len(self._limiter.pending_usage))
-        yield from (up, errors, pending)

@@ -12,13 +12,11 @@ before producing anything, ``prime`` raises the error for the status line (503 +
 ``sieproxy.failover``: the same replica, another one, the model's fallbacks). Otherwise the
 status is 200 and the body streams (non-streaming: the whole answer is collected first).
 
-``n`` > 1 (or best_of): one task per candidate (:meth:`~sieproxy.relay.attempt.Attempt.run`)
-streams into its ``clone()`` of a *bounded* channel. The merger runs in the response task
-(``__anext__``): one event, plus whatever else is already buffered, becomes one write. A slow
-client stalls ``__anext__``, which stalls the channel, which stalls the candidates, which stop
-reading upstream: backpressure end to end, with no buffer growing. ``n`` = 1: no nursery, task
-or channel; the response task reads its candidate itself (``sieproxy.inline``), and the relay
-pump may relay its tokens while the task waits (``sieproxy.pump``).
+``n`` > 1 (or best_of): one task per candidate streams into a *bounded* channel
+(``sieproxy.relay.fanout``: backpressure end to end); the merger runs in the response task
+(``__anext__``), one merged write per read. ``n`` = 1: no nursery, task or channel; the response
+task reads its candidate itself (``sieproxy.inline``), and the relay pump may relay its tokens
+while the task waits (``sieproxy.pump``).
 
 The shaper's decisions come back as values (``Shaper.ends``), and the merger ends those
 candidates (``sieproxy.merge``). A stalled client write (``sieproxy.timers``), the gateway's
@@ -32,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
@@ -40,16 +38,16 @@ import trio
 from ..core.errors import GatewayError, InternalError
 from ..core.planning.prepared import Shaper
 from ..core.request.refusal import RequestFields
-from ..fleet.client import EngineClient, Exchange
+from ..fleet.client import EngineClient
 from ..fleet.pool import ModelPool, Replica, RouteHints
 from ..observe.stats import RequestStats
 from ..settings.load import GatewaySettings
 from .attempt import Attempt
 from .candidate import Event
-from .channels import take
 from .failover import Failover, retry_bodies
+from .fanout import Fanout
 from .inline import QUIET, InlineReader
-from .merge import Merger, buffered
+from .merge import Merger
 from .pump import Outlet, Pump
 from .resume import Resumer
 from .timers import WaitTimer, sweep_stalls
@@ -71,6 +69,7 @@ class GenerationBody:
         "_client",
         "_deadline",
         "_done",
+        "_fan",
         "_fo",
         "_g",
         "_held",
@@ -79,12 +78,9 @@ class GenerationBody:
         "_k",
         "_m",
         "_now",
-        "_nursery",
-        "_nursery_cm",
         "_on_done",
         "_ping",
         "_pump",
-        "_recv",
         "_timer",
         "_up",
         "entered",
@@ -121,9 +117,8 @@ class GenerationBody:
         self._timer = timer
         self._pump = pump
         self._k = len(bodies)
-        self._recv: trio.MemoryReceiveChannel[Event] | None = None
-        self._nursery_cm: Any = None
-        self._nursery: trio.Nursery | None = None
+        # n > 1: the candidates' tasks and their channel (n = 1: the inline reader, ``_il``).
+        self._fan = None if self._k == 1 else Fanout(g.channel_size)
         self._done = False
         self._held = self._k  # admission slots held on the replica
         self.writing_since: float | None = None  # while a client write waits (``client_write``)
@@ -180,8 +175,8 @@ class GenerationBody:
         if il is not None:
             il.deadline, il.clock = self._deadline, self._now
             return self
-        self._nursery_cm = trio.open_nursery()
-        self._nursery = await self._nursery_cm.__aenter__()
+        assert self._fan is not None
+        await self._fan.enter()
         return self
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool | None:
@@ -190,8 +185,8 @@ class GenerationBody:
             if self._il is not None:
                 await self._il.close()
                 return None
-            assert self._nursery is not None
-            return bool(await self._nursery_cm.__aexit__(exc_type, exc, tb))
+            assert self._fan is not None
+            return await self._fan.exit(exc_type, exc, tb)
         finally:
             self._release()
             if self._on_done is not None:
@@ -204,12 +199,6 @@ class GenerationBody:
             self._up.pool.release(self._up.replica, self._held)
             self._held = 0
 
-    def _launch(self, sent: Sequence[Exchange | Exception] = ()) -> None:
-        """Start the candidates' tasks (``sent``: the requests ``open()`` sent, or why not)."""
-        assert self._nursery is not None
-        send, self._recv = trio.open_memory_channel[Event](self._g.channel_size)
-        self._up.launch(self._nursery, send, sent)
-
     async def open(self) -> bool:
         """Send the engine requests now, so that what the caller does before ``prime()`` (the
         response head's bytes) overlaps the engine's work; True if every request went out.
@@ -218,16 +207,8 @@ class GenerationBody:
         (``Attempt.send_all``), then the candidates' tasks start and send the rest."""
         if self._il is not None:
             return await self._il.send_now()
-        if self._nursery is None or self._recv is not None:  # not entered, or launched
-            return False
-        sent: list[Exchange | Exception] = []
-        try:
-            await self._up.send_all(sent)
-        finally:
-            # Also when cancelled here (the client left): the tasks let what was sent go
-            # (each aborts its rid and closes its connection, as on any early end).
-            self._launch(sent)
-        return len(sent) == self._k and not any(isinstance(x, Exception) for x in sent)
+        assert self._fan is not None
+        return await self._fan.open(self._up)
 
     def carry(self, out: Outlet) -> None:
         """The response head is out: the relay pump may write the body's chunks through ``out``
@@ -300,14 +281,9 @@ class GenerationBody:
             if il.cause == "stop":  # the gateway matched a stop string: end it now
                 out += m.merge(await il.next())
             return out
-        if self._recv is None:  # open() was not called: the tasks send their requests
-            self._launch()
-        assert self._recv is not None
-        try:
-            first = await take(self._recv)  # the response's next write yields
-        except trio.EndOfChannel:
-            return None
-        return m.merge(buffered(self._recv, first))
+        assert self._fan is not None
+        arrived = await self._fan.next(self._up)
+        return None if arrived is None else m.merge(arrived)
 
     # ------------------------------------------------------------------ the first event
     async def prime(self) -> bytes:
@@ -357,10 +333,8 @@ class GenerationBody:
         if self._il is not None:
             await self._il.close()
         else:
-            assert self._recv is not None
-            with self._recv:
-                async for _ in self._recv:  # wait for the old candidates to finish their cleanup
-                    pass
+            assert self._fan is not None
+            await self._fan.drain()  # the old candidates finish their cleanup
         self._release()
         if again:
             await trio.sleep(pause)
@@ -378,8 +352,8 @@ class GenerationBody:
         self._up.retry_no = k
         self._held = self._k
         self.stats.replica = other.url
-        if self._il is None:
-            self._launch()
+        if self._fan is not None:
+            self._fan.launch(self._up)
 
     # ------------------------------------------------------------------ the response
     @property

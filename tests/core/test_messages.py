@@ -22,8 +22,11 @@ from sieproxy.core.request.profile import ModelProfile
 from sieproxy.core.request.schemas import NamedToolChoice
 from sieproxy.core.shaping.events import CandidateDelta, CandidateFinish
 from sieproxy.surfaces import COUNT_TOKENS, MESSAGES
-from sieproxy.surfaces.messages.request import PathMap, decode_messages
-from sieproxy.surfaces.messages.shaper import CountShaper, MessagesShaper, error_reply
+from sieproxy.surfaces.messages.count import CountShaper
+from sieproxy.surfaces.messages.errors import error_reply
+from sieproxy.surfaces.messages.paths import PathMap
+from sieproxy.surfaces.messages.request import decode_messages
+from sieproxy.surfaces.messages.shaper import MessagesShaper
 from tests.contract_cases import PROFILES, Case, body_bytes
 from tests.messages_cases import MESSAGES_CASES, claude_code_body
 

@@ -14,7 +14,8 @@ from sieproxy.core.request.profile import ModelProfile
 from sieproxy.core.request.schemas import NamedToolChoice
 from sieproxy.core.shaping.events import CandidateDelta, CandidateFinish
 from sieproxy.surfaces import RESPONSES
-from sieproxy.surfaces.responses.request import PathMap, decode_responses
+from sieproxy.surfaces.responses.paths import PathMap
+from sieproxy.surfaces.responses.request import decode_responses
 from sieproxy.surfaces.responses.shaper import ResponsesShaper
 from tests.contract_cases import PROFILES, Case, body_bytes
 from tests.responses_cases import RESPONSES_CASES

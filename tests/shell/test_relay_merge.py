@@ -56,7 +56,7 @@ def body_with_channel() -> tuple[GenerationBody, trio.MemorySendChannel]:  # typ
     """Channel mode (two candidates; the events below all belong to candidate 0)."""
     body = make_body(2)
     send, recv = trio.open_memory_channel(8)  # type: ignore[var-annotated]
-    body._recv = recv
+    body._fan.recv = recv
     return body, send
 
 

@@ -130,7 +130,7 @@ async def test_open_sends_every_candidates_request_from_the_calling_task() -> No
     real_send = Exchange.send
 
     async def spy(self: Exchange) -> None:
-        senders.append((trio.lowlevel.current_task(), body._recv is None))
+        senders.append((trio.lowlevel.current_task(), body._fan.recv is None))
         await real_send(self)
 
     async with _served(Plan([" a", " b", " c"])) as (engine, client, port):

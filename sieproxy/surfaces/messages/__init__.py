@@ -5,9 +5,9 @@ The request is decoded strictly and mapped onto a chat request with one candidat
 (``request.py``); the chat rules and planning run on it (``surfaces/generation.py``) and a chat
 refusal's ``param`` is written back as the Messages path it came from. ``MessagesShaper``
 (``shaper.py``) makes the content blocks and the ``message_*`` / ``content_block_*`` events,
-streamed or whole; errors use Anthropic's envelope, and an ``x-api-key`` header carries the key.
-``count_tokens`` renders the same prompt and has the engine prefill it with no output (its
-tokenizer counts it).
+streamed or whole; errors use Anthropic's envelope (``errors.py``), and an ``x-api-key`` header
+carries the key. ``count_tokens`` renders the same prompt and has the engine prefill it with no
+output (its tokenizer counts it: ``count.py``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ from ...core.request.refusal import RequestFields
 from ...core.request.validate import check_chat
 from ..base import ErrorAnswer, Surface
 from ..generation import plan_chat_request, serving
-from .request import decode_count_tokens, decode_messages, for_model, translated
-from .shaper import CountShaper, MessagesShaper, error_reply
+from .count import CountShaper
+from .errors import error_reply
+from .paths import translated
+from .request import decode_count_tokens, decode_messages, for_model
+from .shaper import MessagesShaper
 
 __all__ = ["COUNT_TOKENS", "MESSAGES", "CountTokensSurface", "MessagesSurface"]
 

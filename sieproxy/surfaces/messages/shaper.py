@@ -1,5 +1,4 @@
-"""The Anthropic Messages output: one choice's events in, Messages SSE events or a body out;
-and Anthropic's error envelope for every error of the Messages routes.
+"""The Anthropic Messages output: one choice's events in, Messages SSE events or a body out.
 
 Theory of operation
 -------------------
@@ -42,9 +41,8 @@ slow to its first output: then ``message_start`` has ``input_tokens`` 0, as the 
 is not known yet, and ``message_delta`` carries the real usage, which the SDKs take as the
 final figures). ``pings`` tells the shell whether the shaper makes them (a stream only).
 
-:func:`error_reply` renders a :class:`~.errors.GatewayError` as Anthropic's envelope
-(``{"type": "error", "error": {"type", "message"}}``), the status and headers unchanged; a
-refusal's ``param`` leads its message. :class:`CountShaper` answers ``count_tokens``.
+Errors use Anthropic's envelope (``errors.py``); ``count_tokens`` has its own shaper
+(``count.py``).
 """
 
 from __future__ import annotations
@@ -58,63 +56,15 @@ from ...core.errors import GatewayError, InternalError
 from ...core.request.valid import ValidChat
 from ...core.shaping.choice import ChoiceState, ReasoningFactory, ToolCallFactory
 from ...core.shaping.events import CandidateDelta, CandidateFinish, ChoiceDelta, ToolCallDelta
-from ...core.tenancy.quota import RateLimited, anthropic_rate_headers
+from .errors import error_body
 
-__all__ = [
-    "PING",
-    "CountShaper",
-    "MessagesShaper",
-    "error_body",
-    "error_reply",
-    "error_type",
-]
+__all__ = ["PING", "MessagesShaper"]
 
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder()
 
 #: The keep-alive event, as Anthropic sends it.
 PING = b'event: ping\ndata: {"type":"ping"}\n\n'
-
-#: HTTP status → Anthropic's error type (other 4xx: invalid_request_error, 5xx: api_error).
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    408: "timeout_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    502: "api_error",
-    503: "overloaded_error",
-    504: "timeout_error",
-    529: "overloaded_error",
-}
-
-
-def error_type(status: int) -> str:
-    """Anthropic's error ``type`` for an HTTP status."""
-    found = _TYPES.get(status)
-    if found is not None:
-        return found
-    return "api_error" if status >= 500 else "invalid_request_error"
-
-
-def error_body(err: GatewayError) -> dict[str, Any]:
-    """Anthropic's error envelope for ``err`` (its ``param`` leads the message)."""
-    message = f"{err.param}: {err.message}" if err.param else err.message
-    return {"type": "error", "error": {"type": error_type(err.status), "message": message}}
-
-
-def error_reply(err: GatewayError) -> tuple[int, dict[str, str], bytes]:
-    """``(status, headers, body)`` of ``err`` on a Messages route (``Retry-After`` and
-    ``WWW-Authenticate`` kept; a tenant's 429 has Anthropic's ``anthropic-ratelimit-*``
-    headers instead of OpenAI's ``x-ratelimit-*``)."""
-    headers = dict(err.headers)
-    if isinstance(err, RateLimited):
-        headers = {k: v for k, v in headers.items() if not k.startswith("x-ratelimit-")}
-        headers.update(anthropic_rate_headers(err.limits, err.decision, err.at))
-    return err.status, headers, _enc.encode(error_body(err))
 
 
 @dataclass(slots=True)
@@ -416,32 +366,3 @@ class MessagesShaper:
         out = bytes(self._buf)
         self._buf.clear()
         return out
-
-
-class CountShaper:
-    """``/v1/messages/count_tokens``: the engine prefills the rendered prompt (no output
-    token), and the answer is the prompt's token count it reported, ``{"input_tokens": N}``."""
-
-    def __init__(self) -> None:
-        self.ends: list[tuple[int, str]] = []
-        self.choices = [ChoiceState(0, collect=False, ends=self.ends)]
-
-    def start(self) -> bytes:
-        return b""
-
-    def on_delta(self, index: int, delta: CandidateDelta) -> bytes:
-        self.choices[index].feed(delta)
-        return b""
-
-    def on_finish(self, index: int, finish: CandidateFinish) -> bytes:
-        self.choices[index].finish(finish)
-        return b""
-
-    def on_error(self, err: GatewayError) -> bytes:  # never streamed: the status line has it
-        raise err
-
-    def end(self) -> bytes:
-        choice = self.choices[0]
-        if not choice.finished:
-            raise InternalError("Internal error: the count ended before the engine finished.")
-        return _enc.encode({"input_tokens": choice.prompt_tokens})

@@ -16,7 +16,8 @@ from ...core.request.profile import ModelProfile
 from ...core.request.refusal import RequestFields
 from ..base import Surface
 from ..generation import plan_chat_request, serving
-from .request import decode_responses, translated
+from .paths import translated
+from .request import decode_responses
 from .shaper import ResponsesShaper
 
 __all__ = ["RESPONSES", "ResponsesSurface"]

@@ -1,4 +1,4 @@
-"""The Responses API request (``POST /v1/responses``): schema, validation, mapping to chat.
+"""The Responses API request (``POST /v1/responses``): validation, mapping to chat.
 
 Theory of operation
 -------------------
@@ -6,13 +6,14 @@ The gateway is stateless, so a Responses request is a chat request in another sh
 ``instructions`` become a system message, the ``input`` items become messages (a
 ``function_call`` item an assistant tool call, a ``function_call_output`` item a tool message),
 function ``tools`` / ``tool_choice`` / ``text.format`` / ``max_output_tokens`` their chat
-counterparts. :func:`decode_responses` decodes the body strictly (unknown top-level keys →
-``unsupported_field``, as on chat), refuses what statelessness forbids with a reason, checks the
-Responses-specific rules with Responses paths in ``param``, and returns the mapped
-:class:`~.schemas.ChatCompletionRequest` with a :class:`PathMap`. The chat rules then run on the
-mapped request (one candidate: ``n`` is never set), and a chat refusal's ``param`` is written
-back as the Responses path it came from (``messages[2].content`` → ``input[1].content``), so a
-client never sees a field it did not send. Planning, the relay and the engine path are chat's.
+counterparts. :func:`decode_responses` decodes the body strictly (the Structs of ``schema.py``:
+unknown top-level keys → ``unsupported_field``, as on chat), refuses what statelessness forbids
+with a reason, checks the Responses-specific rules with Responses paths in ``param``, and
+returns the mapped :class:`~.schemas.ChatCompletionRequest` with a :class:`~.paths.PathMap`.
+The chat rules then run on the mapped request (one candidate: ``n`` is never set), and a chat
+refusal's ``param`` is written back as the Responses path it came from (``messages[2].content``
+→ ``input[1].content``), so a client never sees a field it did not send. Planning, the relay and
+the engine path are chat's.
 
 Decisions where the issue is silent (docs/API.md, "POST /v1/responses"):
 
@@ -35,18 +36,15 @@ Decisions where the issue is silent (docs/API.md, "POST /v1/responses"):
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
-from msgspec import UNSET, Struct
-from msgspec import field as mfield
+from msgspec import UNSET
 
 from ...core.errors import InvalidRequest, RequestError, UnsupportedField
 from ...core.request.schemas import (
     ChatCompletionRequest,
     ChatMessage,
-    ChatTemplateKwargs,
     ContentPart,
     FunctionCall,
     FunctionDef,
@@ -66,240 +64,33 @@ from ...core.request.validate import (
     is_json_object,
     validation_error,
 )
+from .paths import PathMap, translated
+from .schema import (
+    RESPONSES_KNOWN_REJECTED,
+    RContent,
+    ResponsesRequest,
+    RFormatJsonObject,
+    RFormatJsonSchema,
+    RFormatText,
+    RFunctionCall,
+    RFunctionCallOutput,
+    RFunctionTool,
+    RInputImage,
+    RInputText,
+    RItem,
+    RMessage,
+    RNamedTool,
+    ROutputText,
+    RRefusal,
+)
 
-__all__ = [
-    "RESPONSES_KNOWN_REJECTED",
-    "PathMap",
-    "ResponsesRequest",
-    "decode_responses",
-]
-
-
-class _Strict(Struct, forbid_unknown_fields=True, omit_defaults=True):
-    pass
-
-
-# ---------------------------------------------------------------- content parts and items
-
-
-class RInputText(_Strict, tag_field="type", tag="input_text"):
-    text: str
-
-
-class RInputImage(_Strict, tag_field="type", tag="input_image"):
-    image_url: str | None = None
-    detail: Literal["auto", "low", "high"] | None = None
-    file_id: str | None = None
-
-
-class ROutputText(_Strict, tag_field="type", tag="output_text"):
-    text: str
-    annotations: list[Any] | None = None
-    logprobs: list[Any] | None = None
-
-
-class RRefusal(_Strict, tag_field="type", tag="refusal"):
-    refusal: str
-
-
-RContent = RInputText | RInputImage | ROutputText | RRefusal
-
-
-class RMessage(_Strict, tag_field="type", tag="message"):
-    role: str
-    content: str | list[RContent]
-    id: str | None = None
-    status: str | None = None
-    phase: str | None = None
-
-
-class RFunctionCall(_Strict, tag_field="type", tag="function_call"):
-    call_id: str
-    name: str
-    arguments: str
-    id: str | None = None
-    status: str | None = None
-
-
-class RFunctionCallOutput(_Strict, tag_field="type", tag="function_call_output"):
-    call_id: str
-    output: str | list[RContent]
-    id: str | None = None
-    status: str | None = None
-
-
-class RReasoning(_Strict, tag_field="type", tag="reasoning"):
-    summary: list[Any]
-    id: str | None = None
-    content: list[Any] | None = None
-    encrypted_content: str | None = None
-    status: str | None = None
-
-
-RItem = RMessage | RFunctionCall | RFunctionCallOutput | RReasoning
-_ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "reasoning"})
-
-
-# ---------------------------------------------------------------- tools and text
-
-
-class RFunctionTool(_Strict):
-    type: Literal["function"]
-    name: str
-    parameters: dict[str, Any] | None = None
-    description: str | None = None
-    strict: bool | None = None
-
-
-class RNamedTool(_Strict):
-    type: Literal["function"]
-    name: str
-
-
-class RFormatText(_Strict, tag_field="type", tag="text"):
-    pass
-
-
-class RFormatJsonObject(_Strict, tag_field="type", tag="json_object"):
-    pass
-
-
-class RFormatJsonSchema(_Strict, tag_field="type", tag="json_schema"):
-    schema_: dict[str, Any] = mfield(name="schema")
-    name: str | None = None
-    description: str | None = None
-    strict: bool | None = None
-
-
-RFormat = RFormatText | RFormatJsonObject | RFormatJsonSchema
-
-
-class RText(_Strict):
-    format: RFormat | None = None
-    verbosity: Any = UNSET
-
-
-# ---------------------------------------------------------------- the request
-
-#: Fields ``/v1/responses`` refuses with a reason (``unsupported_field``), and what to say.
-RESPONSES_KNOWN_REJECTED: dict[str, str] = {
-    "previous_response_id": (
-        "`previous_response_id` needs stored responses, and the gateway is stateless: it stores "
-        "none. Send the whole conversation in `input` instead."
-    ),
-    "conversation": (
-        "`conversation` needs stored conversations, and the gateway is stateless: it stores "
-        "none. Send the whole conversation in `input` instead."
-    ),
-    "prompt": (
-        "`prompt` (a stored prompt template) needs server-side state, and the gateway is "
-        "stateless; send `instructions` and `input` instead."
-    ),
-    "metadata": "`metadata` is out of scope: the gateway stores nothing; remove it.",
-    "include": "`include` is not supported: no extra output data is available; remove it.",
-    "top_logprobs": "`top_logprobs` is not supported on /v1/responses; remove it.",
-    "reasoning": (
-        "`reasoning` is out of scope; use `chat_template_kwargs.enable_thinking` and "
-        "`include_reasoning` instead."
-    ),
-    "truncation": "`truncation` is not supported: the gateway never drops input; remove it.",
-    "max_tool_calls": "`max_tool_calls` is not supported; remove it.",
-    "service_tier": "`service_tier` is out of scope; remove it.",
-}
-
-
-class ResponsesRequest(_Strict):
-    model: str
-    input: str | list[Any]
-    instructions: str | None = None
-    tools: list[Any] | None = None
-    tool_choice: Literal["auto", "none", "required"] | RNamedTool | None = None
-    parallel_tool_calls: bool | None = None
-    text: RText | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool | None = None
-    store: bool | None = None
-    background: bool | None = None
-    user: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    include_reasoning: bool | None = None
-    chat_template_kwargs: ChatTemplateKwargs | None = None
-    lora_adapter: str | None = None
-    # known-rejected (see RESPONSES_KNOWN_REJECTED)
-    previous_response_id: Any = UNSET
-    conversation: Any = UNSET
-    prompt: Any = UNSET
-    metadata: Any = UNSET
-    include: Any = UNSET
-    top_logprobs: Any = UNSET
-    reasoning: Any = UNSET
-    truncation: Any = UNSET
-    max_tool_calls: Any = UNSET
-    service_tier: Any = UNSET
-
+__all__ = ["decode_responses"]
 
 _decoder = msgspec.json.Decoder(ResponsesRequest)
 _REJECTED = tuple(RESPONSES_KNOWN_REJECTED.items())
 _TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _INT32_MAX = 2**31 - 1
-
-
-@dataclass(slots=True)
-class PathMap:
-    """Where each mapped chat message came from, to write a chat ``param`` back as the
-    Responses path the client sent (``messages[i]`` → ``input[k]``, ...)."""
-
-    messages: list[str] = field(default_factory=list)
-    #: ``(message index, tool call index)`` → the path of the ``function_call`` item.
-    calls: dict[tuple[int, int], str] = field(default_factory=dict)
-    #: Message indexes that came from ``function_call_output`` items.
-    outputs: set[int] = field(default_factory=set)
-
-    def translate(self, param: str | None) -> str | None:
-        """The Responses path of a chat ``param``."""
-        if param is None:
-            return None
-        m = _MSG_PARAM.match(param)
-        if m is not None:
-            i = int(m.group(1))
-            rest = m.group(2)
-            call = _CALL_PARAM.match(rest)
-            if call is not None and (i, int(call.group(1))) in self.calls:
-                tail = _CALL_FIELDS.get(call.group(2), call.group(2))
-                return self.calls[(i, int(call.group(1)))] + tail
-            base = self.messages[i] if i < len(self.messages) else "input"
-            if rest == ".tool_call_id":
-                rest = ".call_id"
-            elif i in self.outputs and rest.startswith(".content"):
-                rest = ".output" + rest[len(".content") :]
-            return base + rest
-        for chat, resp in _TOP_PARAMS:
-            if param == chat or param.startswith(chat + ".") or param.startswith(chat + "["):
-                return resp + param[len(chat) :]
-        tool = _TOOL_PARAM.match(param)
-        if tool is not None:
-            return f"tools[{tool.group(1)}]" + tool.group(2)
-        return param
-
-
-_MSG_PARAM = re.compile(r"messages\[(\d+)\](.*)")
-_CALL_PARAM = re.compile(r"\.tool_calls\[(\d+)\](.*)")
-_CALL_FIELDS = {
-    ".id": ".call_id",
-    ".function.name": ".name",
-    ".function.arguments": ".arguments",
-}
-_TOOL_PARAM = re.compile(r"tools\[(\d+)\]\.function(.*)")
-_TOP_PARAMS = (
-    ("max_completion_tokens", "max_output_tokens"),
-    ("response_format.json_schema", "text.format.schema"),
-    ("response_format", "text.format"),
-    ("tool_choice.function.name", "tool_choice.name"),
-    ("messages", "input"),
-)
+_ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "reasoning"})
 
 
 def _convert(obj: Any, typ: Any, path: str) -> Any:
@@ -540,18 +331,6 @@ def to_chat(req: ResponsesRequest, paths: PathMap) -> ChatCompletionRequest:
         top_p=req.top_p,
         user=req.user,
     )
-
-
-def translated(err: RequestError, paths: PathMap) -> RequestError:
-    """A chat refusal of the mapped request, its ``param`` written as the Responses path."""
-    param = paths.translate(err.param)
-    if param == err.param:
-        return err
-    message = err.message
-    for chat, resp in _TOP_PARAMS[:4]:
-        message = message.replace(f"`{chat}`", f"`{resp}`")
-    message = message.replace("`tool_call_id`", "`call_id`")
-    return type(err)(message, param=param, code=err.code)
 
 
 def decode_responses(body: bytes) -> tuple[ResponsesRequest, ChatCompletionRequest, PathMap]:

@@ -44,7 +44,6 @@ Usage: ``input_tokens`` (with ``input_tokens_details.cached_tokens``), ``output_
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -53,80 +52,12 @@ from ...core.errors import GatewayError, InternalError
 from ...core.request.valid import ValidChat
 from ...core.shaping.choice import ChoiceState, ReasoningFactory, ToolCallFactory
 from ...core.shaping.events import CandidateDelta, CandidateFinish, ChoiceDelta, ToolCallDelta
-from .request import ResponsesRequest, RFormatText, RNamedTool
+from .items import TEXT_DELTA_HEAD, TEXT_DELTA_TAIL, Item, content_part, delta_affixes
+from .schema import ResponsesRequest, RFormatText, RNamedTool
 
 __all__ = ["ResponsesShaper"]
 
 _enc = msgspec.json.Encoder()
-
-
-@dataclass(slots=True)
-class _Item:
-    """One output item while it is built (``kind``: message, reasoning or function_call)."""
-
-    kind: str
-    id: str
-    index: int  # output_index
-    parts: list[str] = field(default_factory=list)  # text, or the call's arguments
-    call_index: int = -1
-    call_id: str = ""
-    name: str = ""
-    status: str = "in_progress"
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
-
-    def wire(self, *, full: bool = True) -> dict[str, Any]:
-        """The item as the API shows it (``full=False``: as first announced, with no text)."""
-        text = self.text if full else ""
-        if self.kind == "message":
-            content = [_part("message", text)] if full else []
-            return {
-                "id": self.id,
-                "type": "message",
-                "status": self.status,
-                "role": "assistant",
-                "content": content,
-            }
-        if self.kind == "reasoning":
-            return {
-                "id": self.id,
-                "type": "reasoning",
-                "summary": [],
-                "content": [_part("reasoning", text)] if full else [],
-                "status": self.status,
-            }
-        return {
-            "id": self.id,
-            "type": "function_call",
-            "status": self.status,
-            "call_id": self.call_id,
-            "name": self.name,
-            "arguments": text,
-        }
-
-
-#: A ``response.output_text.delta`` frame is these bytes around its sequence number, the item's
-#: own bytes (``_delta_affixes``) and the text: byte for byte what ``_event`` writes for it,
-#: for one string encoding per token instead of a dict and its encoding.
-_TEXT_DELTA_HEAD = (
-    b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
-    b'"sequence_number":'
-)
-_TEXT_DELTA_TAIL = b',"logprobs":[]}\n\n'
-
-
-def _delta_affixes(item: _Item) -> tuple[_Item, bytes]:
-    """The bytes of a text delta frame of ``item`` between its sequence number and its text."""
-    ids = b',"item_id":%s,"output_index":%d' % (_enc.encode(item.id), item.index)
-    return item, ids + b',"content_index":0,"delta":'
-
-
-def _part(kind: str, text: str) -> dict[str, Any]:
-    if kind == "message":
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-    return {"type": "reasoning_text", "text": text}
 
 
 class ResponsesShaper:
@@ -163,15 +94,15 @@ class ResponsesShaper:
                 ends=self.ends,
             )
         ]
-        self.items: list[_Item] = []
-        self._open: _Item | None = None
-        self._calls: dict[int, _Item] = {}  # tool-call index → its item
+        self.items: list[Item] = []
+        self._open: Item | None = None
+        self._calls: dict[int, Item] = {}  # tool-call index → its item
         self._held = ""  # whitespace-only content while no message is open
         self._seq = 0
         self._buf = bytearray()
         self._started = False
         self._closed = False
-        self._affixes: tuple[_Item, bytes] | None = None  # the open message's delta affixes
+        self._affixes: tuple[Item, bytes] | None = None  # the open message's delta affixes
 
     # ------------------------------------------------------------------ the relay's interface
 
@@ -259,12 +190,12 @@ class ResponsesShaper:
         for call in cd.tool_calls:
             self._call(call)
 
-    def _open_item(self, kind: str, call: ToolCallDelta | None = None) -> _Item:
+    def _open_item(self, kind: str, call: ToolCallDelta | None = None) -> Item:
         if self._open is not None:
             self._close("completed")
         index = len(self.items)
         prefix = {"message": "msg", "reasoning": "rs", "function_call": "fc"}[kind]
-        item = _Item(kind, f"{prefix}_{self.request_id}_{index}", index)
+        item = Item(kind, f"{prefix}_{self.request_id}_{index}", index)
         if call is not None:
             item.call_index = call.index
             item.call_id = call.id or f"call_{self.request_id}_{call.index}"
@@ -279,7 +210,7 @@ class ResponsesShaper:
                 item_id=item.id,
                 output_index=index,
                 content_index=0,
-                part=_part(kind, ""),
+                part=content_part(kind, ""),
             )
         if kind == "message":
             held, self._held = self._held, ""
@@ -293,16 +224,16 @@ class ResponsesShaper:
         item.parts.append(text)
         if not self.stream:
             return
-        if item.kind == "message":  # most events: one token of text (see ``_delta_affixes``)
+        if item.kind == "message":  # most events: one token of text (see ``delta_affixes``)
             affixes = self._affixes
             if affixes is None or affixes[0] is not item:
-                affixes = self._affixes = _delta_affixes(item)
+                affixes = self._affixes = delta_affixes(item)
             buf = self._buf
-            buf += _TEXT_DELTA_HEAD
+            buf += TEXT_DELTA_HEAD
             buf += str(self._seq).encode()
             buf += affixes[1]
             _enc.encode_into(text, buf, -1)
-            buf += _TEXT_DELTA_TAIL
+            buf += TEXT_DELTA_TAIL
             self._seq += 1
             return
         self._event(
@@ -344,7 +275,7 @@ class ResponsesShaper:
                 "response.content_part.done",
                 **ids,
                 content_index=0,
-                part=_part(item.kind, item.text),
+                part=content_part(item.kind, item.text),
             )
         self._event("response.output_item.done", output_index=item.index, item=item.wire())
 

@@ -77,6 +77,42 @@ def test_completions_with_a_rate_and_a_trace(engine_url: str, tmp_path: Path) ->
     assert "== rate=40/s ==" in rate.stdout and "0 failed" in rate.stdout
 
 
+def test_a_sharegpt_file_replayed_whole_resends_each_conversations_history(
+        engine_url: str, tmp_path: Path) -> None:
+    talks = [[("human", "What is a socket?"), ("gpt", "w" * 24), ("human", "And a port?"),
+              ("gpt", "w" * 12), ("human", "Thanks, bye."), ("gpt", "w" * 8)],
+             [("human", "Hello there."), ("gpt", "w" * 16), ("human", "How are you today?"),
+              ("gpt", "w" * 20)]]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps([{"conversations": [{"from": who, "value": text}
+                                                   for who, text in t]} for t in talks]))
+    out = tmp_path / "sg"
+    # one client: the two conversations one after the other, five requests in all
+    r = serve("--base-url", engine_url, "--model", "m", "--dataset", str(path),
+              "--dataset-turns", "all", "--num-requests", "5", "--results-dir", str(out))
+    assert r.returncode == 0, r.stderr
+    doc, recs = check_outputs(out, r.stdout)
+    assert doc["config"]["workload"] == "dataset"
+    assert doc["config"]["args"]["dataset_turns"] == "all"
+    turns: dict[int, list[tuple[int, int, int]]] = {}
+    for x in recs["concurrency=1"]:
+        assert x.ok and x.input_tokens is not None and x.output_tokens is not None
+        turns.setdefault(x.conversation, []).append((x.turn, x.input_tokens, x.output_tokens))
+    got = [sorted(v) for _, v in sorted(turns.items())]
+    # each turn asks for its recorded reply's length (4 characters a token)...
+    assert [[o for _, _, o in c] for c in got] == [[6, 3, 2], [4, 5]]
+    # ... and resends the history: the earlier turns, and the replies received to them
+    for talk, conv in zip(talks, got, strict=True):
+        asked = [text for who, text in talk if who == "human"]
+        assert conv[0][1] == len(asked[0].split())  # the fake engine counts words
+        for k in range(1, len(conv)):
+            assert conv[k][1] > conv[k - 1][1] + len(asked[k].split())
+    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": 7}]}]))
+    bad = serve("--base-url", engine_url, "--model", "m", "--dataset", str(path))
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert f"error: --dataset {path}: entry 0, message 0: expected" in bad.stderr
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--concurrency", "2", "--request-rate", "1"], "not both"),
     (["--slo", "ttft=5"], "NAME one of"),
@@ -84,6 +120,9 @@ def test_completions_with_a_rate_and_a_trace(engine_url: str, tmp_path: Path) ->
     (["--dataset", "/nonexistent/d.jsonl"], "No such file"),
     (["--extra-body", "[1]"], "JSON object"),
     (["--header", "no colon"], "expected 'Name: value'"),
+    (["--dataset-turns", "all"], "--dataset-turns all replays a ShareGPT --dataset (.json)"),
+    (["--dataset", "d.jsonl", "--dataset-turns", "all"], "a JSONL record's messages"),
+    (["--dataset-turns", "some"], "invalid choice: 'some'"),
 ])
 def test_bad_command_lines_exit_with_a_reason(args: list[str], message: str) -> None:
     r = serve("--base-url", "http://127.0.0.1:9", "--model", "m", *args)

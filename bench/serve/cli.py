@@ -21,6 +21,7 @@ from bench.serve.client import PATHS, Endpoint, auth_headers, endpoint_url, metr
 from bench.serve.loop import Load, ProgressBar, run
 from bench.serve.metrics import SLO_NAMES, figures, parse_slos
 from bench.serve.workloads import (
+    DATASET_TURNS,
     Conversation,
     Lengths,
     TextMaker,
@@ -34,6 +35,8 @@ from bench.serve.workloads import (
 )
 
 WORKLOADS = ("synthetic", "shared-prefix", "multi-turn", "dataset", "trace")
+#: ``--output-len`` when not given (a dataset's or a trace's own lengths come first).
+OUTPUT_LEN = Lengths.parse("128")
 
 
 def _floats(s: str) -> list[float]:
@@ -88,8 +91,11 @@ def add_parser(sub: Any) -> None:
                    help="default: dataset with --dataset, trace with --trace, else synthetic")
     w.add_argument("--input-len", type=_lengths, default=Lengths.parse("256"),
                    help="prompt tokens: N, uniform:LO,HI or normal:MEAN,SD")
-    w.add_argument("--output-len", type=_lengths, default=Lengths.parse("128"),
-                   help="max_tokens of each request (a distribution as --input-len)")
+    w.add_argument("--output-len", type=_lengths, default=None,
+                   help=f"max_tokens of each request, a distribution as --input-len "
+                   f"({OUTPUT_LEN.a:g} if not given); a ShareGPT --dataset asks for its "
+                   "recorded replies' lengths unless this is given; a JSONL record's own "
+                   "length comes first")
     w.add_argument("--prefix-count", type=int, default=4, help="shared-prefix: system prompts")
     w.add_argument("--prefix-len", type=_lengths, default=None,
                    help="shared-prefix (default 1024) and multi-turn (default none): system "
@@ -99,6 +105,10 @@ def add_parser(sub: Any) -> None:
     w.add_argument("--think-time", type=float, default=0.0, help="multi-turn: s between turns")
     w.add_argument("--dataset", type=Path, default=None,
                    help="ShareGPT JSON (.json) or JSONL (.jsonl) prompts")
+    w.add_argument("--dataset-turns", choices=DATASET_TURNS, default="first",
+                   help="a ShareGPT --dataset: send each conversation's first human turn "
+                   "alone (first), or all its human turns as one multi-turn conversation "
+                   "that resends its history (all)")
     w.add_argument("--trace", type=Path, default=None,
                    help="JSONL with a timestamp (ms) per request, replayed on its schedule")
     w.add_argument("--trace-speed", type=float, default=1.0, help="2: replay twice as fast")
@@ -145,30 +155,37 @@ def _check(p: argparse.Namespace) -> None:
               "--max-concurrency caps an open loop")
     if p.trace is not None and (p.concurrency or p.request_rate):
         _fail("a --trace sets its own schedule; drop --concurrency and --request-rate")
+    if p.dataset_turns != "first" and (p.dataset is None or p.dataset.suffix == ".jsonl"):
+        _fail(f"--dataset-turns {p.dataset_turns} replays a ShareGPT --dataset (.json); a JSONL "
+              "record's messages are always sent whole")
 
 
 def _workload(a: argparse.Namespace, tok: Tokenizer | None) -> tuple[str, Iterator[Conversation]]:
     rng = random.Random(a.seed)
     text = TextMaker(rng, tok)
+    out = a.output_len or OUTPUT_LEN
     kind = a.workload or ("trace" if a.trace else "dataset" if a.dataset else "synthetic")
     if kind == "trace":
         if a.trace is None:
             raise ValueError("--workload trace needs --trace FILE")
-        return kind, iter(read_trace(a.trace, text, a.output_len, rng, tok, a.trace_speed))
+        return kind, iter(read_trace(a.trace, text, out, rng, tok, a.trace_speed))
     if kind == "dataset":
         if a.dataset is None:
             raise ValueError("--workload dataset needs --dataset FILE")
-        if a.dataset.suffix == ".jsonl":
-            convs = read_jsonl(a.dataset, text, a.output_len, rng, tok)
-        else:
-            convs = read_sharegpt(a.dataset, tok)
+        try:
+            if a.dataset.suffix == ".jsonl":
+                convs = read_jsonl(a.dataset, text, out, rng, tok)
+            else:
+                convs = read_sharegpt(a.dataset, tok, a.output_len, rng, a.dataset_turns)
+        except ValueError as exc:
+            raise ValueError(f"--dataset {exc}") from None
         return kind, itertools.cycle(convs)
     if kind == "shared-prefix":
         return kind, shared_prefix(text, a.prefix_count, a.prefix_len or Lengths.parse("1024"),
-                                   a.input_len, a.output_len, rng)
+                                   a.input_len, out, rng)
     if kind == "multi-turn":
-        return kind, multi_turn(text, a.turns, a.input_len, a.output_len, rng, a.prefix_len)
-    return kind, synthetic(text, a.input_len, a.output_len, rng)
+        return kind, multi_turn(text, a.turns, a.input_len, out, rng, a.prefix_len)
+    return kind, synthetic(text, a.input_len, out, rng)
 
 
 def _loads(a: argparse.Namespace) -> tuple[str, list[tuple[float, Load]]]:

@@ -165,35 +165,72 @@ def _estimate(text: str, tokenizer: Tokenizer | None) -> int:
     return tokenizer.count(text) if tokenizer else max(1, round(len(text) / 4))
 
 
+#: ``--dataset-turns``: a ShareGPT conversation's first human turn, or all its human turns.
+DATASET_TURNS = ("first", "all")
+_HUMAN = ("human", "user")
+
+
+def _sharegpt_messages(entry: Any, where: str) -> list[tuple[str, str]]:
+    """One ShareGPT entry's messages as (speaker, text), or a ValueError naming what is wrong."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: a conversation is a JSON object, not "
+                         f"{type(entry).__name__}")
+    conv = entry.get("conversations", entry.get("conversation"))
+    if not isinstance(conv, list):
+        raise ValueError(f'{where}: no "conversations" list')
+    msgs = []
+    for j, m in enumerate(conv):
+        who = m.get("from", m.get("role")) if isinstance(m, dict) else None
+        text = m.get("value", m.get("content")) if isinstance(m, dict) else None
+        if not isinstance(who, str) or not isinstance(text, str):
+            raise ValueError(f'{where}, message {j}: expected {{"from": …, "value": …}} (or '
+                             '"role"/"content") with string values')
+        msgs.append((who, text))
+    return msgs
+
+
 def read_sharegpt(path: Path, tokenizer: Tokenizer | None = None,
-                  output_len: Lengths | None = None,
-                  rng: random.Random | None = None) -> list[Conversation]:
+                  output_len: Lengths | None = None, rng: random.Random | None = None,
+                  turns: str = "first") -> list[Conversation]:
     """ShareGPT JSON: a list of ``{"conversations": [{"from": "human"|"gpt", "value": …}]}``
-    (``role``/``content`` are accepted too). Each entry gives one request: its first human turn,
-    asking for as many tokens as the reply that follows it had (or ``output_len``). Entries
-    without a human turn followed by a reply are skipped."""
-    data = json.loads(path.read_text())
+    (``role``/``content`` and ``conversation`` are accepted too).
+
+    Each entry gives one conversation. ``turns="first"``: its first human turn alone;
+    ``"all"``: its human turns in order, each followed by a reply, up to the first place where
+    that alternation breaks (two human messages in a row, a human message without a reply, an
+    empty one); the loop sends each turn with the history before it, the recorded replies
+    replaced by the replies actually received. Every turn asks for as many tokens as the
+    recorded reply that followed it had (or ``output_len``). Entries without a human turn
+    followed by a reply are skipped; a malformed entry (not an object, no conversation list, a
+    message without a string speaker and text) is an error naming it."""
+    if turns not in DATASET_TURNS:
+        raise ValueError(f"turns is one of {', '.join(DATASET_TURNS)}, not {turns!r}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc.msg}, line {exc.lineno})") from None
     if not isinstance(data, list):
         raise ValueError(f"{path}: a ShareGPT file is a JSON list of conversations")
     rng = rng or random.Random(0)
     out = []
     for i, entry in enumerate(data):
-        conv = entry.get("conversations") or entry.get("conversation") if isinstance(
-            entry, dict) else None
-        if not isinstance(conv, list) or len(conv) < 2:
-            continue
-        msgs = [(str(m.get("from") or m.get("role") or ""), str(m.get("value") or
-                 m.get("content") or "")) for m in conv if isinstance(m, dict)]
-        if len(msgs) < 2 or msgs[0][0] not in ("human", "user") or not msgs[0][1]:
-            continue
-        reply = msgs[1][1]
-        if output_len is not None:
-            n = output_len.sample(rng)
-        elif reply:
-            n = _estimate(reply, tokenizer)
-        else:
-            continue
-        out.append(Conversation([Turn(msgs[0][1], n)], source={"line": i}))
+        msgs = _sharegpt_messages(entry, f"{path}: entry {i}")
+        conv = []
+        for k in range(0, len(msgs) - 1, 2):
+            (who, text), (replier, reply) = msgs[k], msgs[k + 1]
+            if who not in _HUMAN or not text or replier in _HUMAN:
+                break
+            if output_len is not None:
+                n = output_len.sample(rng)
+            elif reply:
+                n = _estimate(reply, tokenizer)
+            else:
+                break
+            conv.append(Turn(text, n))
+            if turns == "first":
+                break
+        if conv:
+            out.append(Conversation(conv, source={"line": i}))
     if not out:
         raise ValueError(f"{path}: no usable ShareGPT conversation (human turn then reply)")
     return out

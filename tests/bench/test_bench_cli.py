@@ -61,7 +61,8 @@ def test_help_lists_the_targets_and_the_serve_command(capsys: pytest.CaptureFixt
         B.build_parser().parse_args(["serve", "--help"])
     serve = capsys.readouterr().out
     for flag in ("--endpoint", "--api-key", "--ca-file", "--insecure", "--dataset", "--trace",
-                 "--request-rate", "--burstiness", "--slo", "--metrics-url", "--tokenizer"):
+                 "--dataset-turns", "--request-rate", "--burstiness", "--slo", "--metrics-url",
+                 "--tokenizer"):
         assert flag in serve
 
 

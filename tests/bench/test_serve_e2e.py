@@ -5,21 +5,15 @@ replayed on its schedule."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from bench.serve.metrics import RequestRecord, figures
-from bench.serve.output import LATENCIES, STATS, num
+from tests.bench.serve_outputs import ENV, ROOT, check_outputs, records, serve
 from tests.procs import stop_process
-
-ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 @pytest.fixture(scope="module")
@@ -36,75 +30,27 @@ def engine_url() -> Iterator[str]:
         stop_process(proc)
 
 
-def _serve(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "bench", "serve", *args], env=ENV, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-
-
-def _records(path: Path) -> dict[str, list[RequestRecord]]:
-    out: dict[str, list[RequestRecord]] = {}
-    fields = RequestRecord.__dataclass_fields__
-    for line in path.read_text().splitlines():
-        d = json.loads(line)
-        out.setdefault(d["point"], []).append(RequestRecord(**{k: d[k] for k in fields}))
-    return out
-
-
-def _same(a: Any, b: Any) -> None:
-    """Equal, floats to 1e-9 relative, through nested dicts and lists."""
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys()
-        for k in a:
-            _same(a[k], b[k])
-    elif isinstance(a, list):
-        assert isinstance(b, list) and len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _same(x, y)
-    else:
-        assert a == pytest.approx(b, rel=1e-9)
-
-
 def test_a_sweep_writes_outputs_that_agree(engine_url: str, tmp_path: Path) -> None:
     out = tmp_path / "results"
-    r = _serve("--base-url", engine_url, "--model", "fake-model", "--concurrency", "1,3",
-               "--num-requests", "12", "--input-len", "16", "--output-len", "8",
-               "--warmup-requests", "2", "--slo", "ttft_ms=5000", "--slo", "tpot_ms=0.001",
-               "--results-dir", str(out), "--progress", "on")
+    r = serve("--base-url", engine_url, "--model", "fake-model", "--concurrency", "1,3",
+              "--num-requests", "12", "--input-len", "16", "--output-len", "8",
+              "--warmup-requests", "2", "--slo", "ttft_ms=5000", "--slo", "tpot_ms=0.001",
+              "--results-dir", str(out), "--progress", "on")
     assert r.returncode == 0, r.stderr
-    names = {p.name for p in out.iterdir()}
-    assert names == {"summary.txt", "results.json", "requests.jsonl", "report.html",
-                     "cdf-ttft.svg", "cdf-tpot.svg", "cdf-itl.svg", "cdf-e2e.svg",
-                     "sweep-throughput.svg", "sweep-latency.svg"}
-    assert (out / "summary.txt").read_text() == r.stdout
     assert "concurrency=1 [" in r.stderr  # the progress bar, forced on
-    doc = json.loads((out / "results.json").read_text())
+    doc, _ = check_outputs(out, r.stdout, {"ttft_ms": 5000.0, "tpot_ms": 0.001})
     assert doc["config"]["args"]["concurrency"] == [1, 3]
     assert doc["config"]["url"] == engine_url + "/v1/chat/completions"
-    recs = _records(out / "requests.jsonl")
-    html = (out / "report.html").read_text()
-    assert html.count("<svg") == 6 and "<script" not in html and "src=" not in html
     points = doc["points"]
     assert [p["label"] for p in points] == ["concurrency=1", "concurrency=3"]
     for p in points:
         f = p["figures"]
-        # the JSON's figures are the JSONL's records' figures
-        again = figures(recs[p["label"]], {"ttft_ms": 5000.0, "tpot_ms": 0.001})
-        _same(json.loads(json.dumps(again)), f)
         assert f["requests"] == f["completed"] == 12 and f["errors"] == {}
         assert f["output_tokens"] == 12 * 8 and f["tokens_counted_by"] == {"usage": 12}
         assert f["goodput"]["requests_met"] == 0  # nobody makes 1 µs per token
         assert f["itl_ms"]["count"] == 12 * 7
         assert p["server_metrics"] == {"available": False, "url": engine_url + "/metrics",
                                        "reason": "HTTP 404"}
-        # ... and the table and the HTML print them
-        block = r.stdout.split(f"== {p['label']} ==", 1)[1].split("==", 1)[0]
-        assert f"request throughput (/s)   {num(f['request_throughput'])}" in block
-        assert f"output tokens (/s)        {num(f['output_token_throughput'])}" in block
-        for key, name in LATENCIES:
-            row = next(ln for ln in block.splitlines() if ln.startswith(name + " "))
-            assert row.split()[1:] == [num(f[key].get(q)) for q in STATS] + [
-                str(f[key]["count"])]
-            assert all(f"<td>{num(f[key][q])}</td>" in html for q in STATS)
     sweep = r.stdout.split("== sweep ==", 1)[1]
     assert sweep.count("concurrency=") == 2
 
@@ -114,21 +60,57 @@ def test_completions_with_a_rate_and_a_trace(engine_url: str, tmp_path: Path) ->
     stamps = [0, 150, 300, 900, 1200]
     trace.write_text("\n".join(json.dumps({"timestamp": 5000 + t, "input_length": 20,
                                            "output_length": 4}) for t in stamps))
-    r = _serve("--base-url", engine_url + "/v1", "--model", "m", "--endpoint", "completions",
-               "--trace", str(trace), "--results-dir", str(tmp_path / "t"))
+    r = serve("--base-url", engine_url + "/v1", "--model", "m", "--endpoint", "completions",
+              "--trace", str(trace), "--results-dir", str(tmp_path / "t"))
     assert r.returncode == 0, r.stderr
-    recs = _records(tmp_path / "t" / "requests.jsonl")["trace"]
+    recs = records(tmp_path / "t" / "requests.jsonl")["trace"]
     assert sorted(x.scheduled_s for x in recs) == pytest.approx([t / 1000 for t in stamps])
     for x in recs:
         assert x.ok and x.output_tokens == 4
         assert x.start_s >= x.scheduled_s - 0.005  # never before its time (clock rounding)
     assert r.stderr == "" or "[" not in r.stderr  # no progress bar: stderr is not a terminal
-    rate = _serve("--base-url", engine_url, "--model", "m", "--request-rate", "40",
-                  "--arrival", "gamma", "--burstiness", "0.5", "--duration", "1",
-                  "--output-len", "uniform:2,6", "--workload", "shared-prefix",
-                  "--prefix-count", "2", "--prefix-len", "30")
+    rate = serve("--base-url", engine_url, "--model", "m", "--request-rate", "40",
+                 "--arrival", "gamma", "--burstiness", "0.5", "--duration", "1",
+                 "--output-len", "uniform:2,6", "--workload", "shared-prefix",
+                 "--prefix-count", "2", "--prefix-len", "30")
     assert rate.returncode == 0, rate.stderr
     assert "== rate=40/s ==" in rate.stdout and "0 failed" in rate.stdout
+
+
+def test_a_sharegpt_file_replayed_whole_resends_each_conversations_history(
+        engine_url: str, tmp_path: Path) -> None:
+    talks = [[("human", "What is a socket?"), ("gpt", "w" * 24), ("human", "And a port?"),
+              ("gpt", "w" * 12), ("human", "Thanks, bye."), ("gpt", "w" * 8)],
+             [("human", "Hello there."), ("gpt", "w" * 16), ("human", "How are you today?"),
+              ("gpt", "w" * 20)]]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps([{"conversations": [{"from": who, "value": text}
+                                                   for who, text in t]} for t in talks]))
+    out = tmp_path / "sg"
+    # one client: the two conversations one after the other, five requests in all
+    r = serve("--base-url", engine_url, "--model", "m", "--dataset", str(path),
+              "--dataset-turns", "all", "--num-requests", "5", "--results-dir", str(out))
+    assert r.returncode == 0, r.stderr
+    doc, recs = check_outputs(out, r.stdout)
+    assert doc["config"]["workload"] == "dataset"
+    assert doc["config"]["args"]["dataset_turns"] == "all"
+    turns: dict[int, list[tuple[int, int, int]]] = {}
+    for x in recs["concurrency=1"]:
+        assert x.ok and x.input_tokens is not None and x.output_tokens is not None
+        turns.setdefault(x.conversation, []).append((x.turn, x.input_tokens, x.output_tokens))
+    got = [sorted(v) for _, v in sorted(turns.items())]
+    # each turn asks for its recorded reply's length (4 characters a token)...
+    assert [[o for _, _, o in c] for c in got] == [[6, 3, 2], [4, 5]]
+    # ... and resends the history: the earlier turns, and the replies received to them
+    for talk, conv in zip(talks, got, strict=True):
+        asked = [text for who, text in talk if who == "human"]
+        assert conv[0][1] == len(asked[0].split())  # the fake engine counts words
+        for k in range(1, len(conv)):
+            assert conv[k][1] > conv[k - 1][1] + len(asked[k].split())
+    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": 7}]}]))
+    bad = serve("--base-url", engine_url, "--model", "m", "--dataset", str(path))
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert f"error: --dataset {path}: entry 0, message 0: expected" in bad.stderr
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -138,9 +120,12 @@ def test_completions_with_a_rate_and_a_trace(engine_url: str, tmp_path: Path) ->
     (["--dataset", "/nonexistent/d.jsonl"], "No such file"),
     (["--extra-body", "[1]"], "JSON object"),
     (["--header", "no colon"], "expected 'Name: value'"),
+    (["--dataset-turns", "all"], "--dataset-turns all replays a ShareGPT --dataset (.json)"),
+    (["--dataset", "d.jsonl", "--dataset-turns", "all"], "a JSONL record's messages"),
+    (["--dataset-turns", "some"], "invalid choice: 'some'"),
 ])
 def test_bad_command_lines_exit_with_a_reason(args: list[str], message: str) -> None:
-    r = _serve("--base-url", "http://127.0.0.1:9", "--model", "m", *args)
+    r = serve("--base-url", "http://127.0.0.1:9", "--model", "m", *args)
     assert r.returncode == 2
     assert message in r.stderr
     assert r.stdout == ""
@@ -155,9 +140,9 @@ def test_the_gateway_in_front_of_the_fake_engine_and_its_metrics(tmp_path: Path)
     try:
         gw = T.start_sieproxy(eng.port, None)
         try:
-            r = _serve("--base-url", f"http://127.0.0.1:{gw.port}/v1", "--model", "bench-model",
-                       "--concurrency", "2", "--num-requests", "10", "--output-len", "8",
-                       "--results-dir", str(tmp_path / "gw"))
+            r = serve("--base-url", f"http://127.0.0.1:{gw.port}/v1", "--model", "bench-model",
+                      "--concurrency", "2", "--num-requests", "10", "--output-len", "8",
+                      "--results-dir", str(tmp_path / "gw"))
         finally:
             gw.stop()
     finally:

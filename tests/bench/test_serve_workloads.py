@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 import statistics
 from pathlib import Path
 
@@ -112,7 +113,7 @@ def test_sharegpt_reader(tmp_path: Path) -> None:
         {"id": "c", "conversations": [{"from": "human", "value": "alone"}]},
         {"id": "d", "conversation": [{"role": "user", "content": "Role/content shape"},
                                      {"role": "assistant", "content": "z" * 80}]},
-        "not an object",
+        {"id": "e", "conversations": []},
     ]
     path = tmp_path / "sg.json"
     path.write_text(json.dumps(data))
@@ -127,6 +128,58 @@ def test_sharegpt_reader(tmp_path: Path) -> None:
     path.write_text(json.dumps([data[1]]))
     with pytest.raises(ValueError, match="no usable"):
         read_sharegpt(path)
+
+
+def test_sharegpt_whole_conversations_resend_their_turns(tmp_path: Path) -> None:
+    def msg(who: str, text: str) -> dict[str, str]:
+        return {"from": who, "value": text}
+
+    data = [
+        {"conversations": [msg("human", "one"), msg("gpt", "a" * 40), msg("human", "two"),
+                           msg("gpt", "b" * 80), msg("human", "three"), msg("gpt", "c" * 12)]},
+        # the exchange breaks at two human messages in a row: the turns before it are kept
+        {"conversations": [msg("human", "x"), msg("gpt", "d" * 20), msg("human", "y"),
+                           msg("human", "z"), msg("gpt", "e" * 20)]},
+        # a last human message without a reply is not a turn
+        {"conversations": [msg("human", "p"), msg("gpt", "f" * 8), msg("human", "q")]},
+        {"conversations": [msg("gpt", "model first"), msg("human", "skipped")]},
+    ]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(data))
+    convs = read_sharegpt(path, turns="all")
+    assert [[(t.text, t.max_tokens) for t in c.turns] for c in convs] == [
+        [("one", 10), ("two", 20), ("three", 3)], [("x", 5)], [("p", 2)]]
+    assert [c.source for c in convs] == [{"line": 0}, {"line": 1}, {"line": 2}]
+    # the default: the first human turn of each
+    assert [[t.text for t in c.turns] for c in read_sharegpt(path)] == [["one"], ["x"], ["p"]]
+    # an output length given overrides every turn's recorded one
+    fixed = read_sharegpt(path, output_len=Lengths.parse("7"), turns="all")
+    assert [[t.max_tokens for t in c.turns] for c in fixed] == [[7, 7, 7], [7], [7]]
+    with pytest.raises(ValueError, match="turns is one of first, all"):
+        read_sharegpt(path, turns="some")
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ("not an object", r"entry 1: a conversation is a JSON object, not str"),
+    ({"id": "no list"}, r'entry 1: no "conversations" list'),
+    ({"conversations": [{"from": "human", "value": "hi"}, "text"]},
+     r"entry 1, message 1: expected"),
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": None}]},
+     r"entry 1, message 1: expected"),
+    ({"conversations": [{"value": "who?"}, {"from": "gpt", "value": "me"}]},
+     r"entry 1, message 0: expected"),
+])
+@pytest.mark.parametrize("turns", ["first", "all"])
+def test_a_malformed_sharegpt_entry_is_named(tmp_path: Path, entry: object, message: str,
+                                             turns: str) -> None:
+    path = tmp_path / "sg.json"
+    good = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
+    path.write_text(json.dumps([good, entry]))
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ": " + message):
+        read_sharegpt(path, turns=turns)
+    path.write_text("[{")
+    with pytest.raises(ValueError, match=r"sg\.json: not JSON \(.*line 1\)"):
+        read_sharegpt(path, turns=turns)
 
 
 def test_sharegpt_reply_lengths_with_a_tokenizer(tmp_path: Path, tokenizer: Tokenizer) -> None:

@@ -1,8 +1,10 @@
-"""End-to-end fixtures: one real CPU engine subprocess per session, a real gateway per test.
+"""End-to-end fixtures: one real CPU engine subprocess per session, a real gateway per test,
+and llama.cpp's server (llama-cpp-python's) on the default model's GGUF, one per module.
 
 The engine (``python -m engine serve --model default``, SmolLM2-135M-Instruct with
 xgrammar-constrained decoding) is slow to load, so it is started once and shared; the gateway is
-cheap and lives on each test's own trio loop (pytest-trio fixtures are per test).
+cheap and lives on each test's own trio loop (pytest-trio fixtures are per test), on a real
+loopback port that a subprocess can reach too.
 """
 
 from __future__ import annotations
@@ -25,15 +27,20 @@ pytest.importorskip("torch")
 pytest.importorskip("xgrammar")
 import trio  # noqa: E402
 
+from engine.cpu.model_store import default_gguf_path  # noqa: E402
 from sieproxy.operations.serve import build_app, serve  # noqa: E402
 from sieproxy.settings.load import GatewaySettings, ModelSettings, Settings  # noqa: E402
-from tests.procs import stop_process  # noqa: E402
+from tests.procs import free_port, stop_process  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The name the engine serves the model under, and the gateway's model name.
 MODEL = "smol"
 #: Model load takes ~5-60 s; be generous on a loaded 2-core machine.
 READY_TIMEOUT = 300.0
+#: A guard, not a wait: every wait on llama.cpp's server ends when the thing waited for is
+#: ready. It answers nothing (``/v1/models`` included) while it generates, so on a loaded
+#: machine an earlier test's last generation can hold it for minutes.
+LLAMA_TIMEOUT = 600.0
 
 
 @dataclass(frozen=True)
@@ -150,3 +157,38 @@ async def cpu_gateway(
 async def gw(cpu_engine: CpuEngine) -> AsyncIterator[CpuGateway]:
     async with cpu_gateway(cpu_engine) as g:
         yield g
+
+
+def llama_ready(url: str) -> bool:
+    """llama.cpp's server answers ``/v1/models``: it is up and not generating."""
+    try:
+        return httpx.get(url + "/v1/models", timeout=LLAMA_TIMEOUT).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """llama-cpp-python's OpenAI server on the bundled GGUF, serving it as ``smol``."""
+    pytest.importorskip("llama_cpp.server.app")
+    log_path = tmp_path_factory.mktemp("llama") / "server.log"
+    port = free_port()
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llama_cpp.server", "--model", str(default_gguf_path()),
+             "--model_alias", MODEL, "--host", "127.0.0.1", "--port", str(port),
+             "--n_ctx", "2048", "--n_threads", "2",
+             # Else each new request cuts the stream in progress (docs/CONFIGURATION.md).
+             "--interrupt_requests", "False"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + LLAMA_TIMEOUT
+            while not llama_ready(url):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"llama.cpp server did not start:\n{log_path.read_text()}")
+                time.sleep(0.2)  # (nothing listens yet: each try fails at once)
+            yield url
+        finally:
+            stop_process(proc, grace=10)

@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-import subprocess
-import sys
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from functools import partial
 
 import pytest
@@ -29,52 +26,13 @@ pytest.importorskip("llama_cpp.server.app")
 openai = pytest.importorskip("openai")
 import trio  # noqa: E402
 
-from engine.cpu.model_store import default_gguf_path, resolve_model  # noqa: E402
+from engine.cpu.model_store import resolve_model  # noqa: E402
 from sieproxy.operations.serve import build_app, serve  # noqa: E402
 from sieproxy.settings.load import EngineSpec, GatewaySettings, ModelSettings, Settings  # noqa: E402
-from tests.procs import free_port, stop_process  # noqa: E402
+
+from .conftest import LLAMA_TIMEOUT, MODEL, llama_ready  # noqa: E402
 
 pytestmark = pytest.mark.model
-
-MODEL = "smol"
-#: A guard, not a wait: every wait below ends when the thing waited for is ready. llama.cpp's
-#: server answers nothing (``/v1/models`` included) while it generates, so on a loaded machine
-#: an earlier test's last generation can hold it for minutes.
-READY_TIMEOUT = 600.0
-
-
-def _engine_ready(url: str) -> bool:
-    """llama.cpp's server answers ``/v1/models``: it is up and not generating."""
-    try:
-        return httpx.get(url + "/v1/models", timeout=READY_TIMEOUT).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-@pytest.fixture(scope="module")
-def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """llama-cpp-python's OpenAI server on the bundled GGUF, serving it as ``smol``."""
-    log_path = tmp_path_factory.mktemp("llama") / "server.log"
-    port = free_port()
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "llama_cpp.server", "--model", str(default_gguf_path()),
-             "--model_alias", MODEL, "--host", "127.0.0.1", "--port", str(port),
-             "--n_ctx", "2048", "--n_threads", "2",
-             # Else each new request cuts the stream in progress (docs/CONFIGURATION.md).
-             "--interrupt_requests", "False"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + READY_TIMEOUT
-            while not _engine_ready(url):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"llama.cpp server did not start:\n{log_path.read_text()}")
-                time.sleep(0.2)  # (nothing listens yet: each try fails at once)
-            yield url
-        finally:
-            stop_process(proc, grace=10)
 
 
 class Gateway:
@@ -86,13 +44,13 @@ class Gateway:
 @contextlib.asynccontextmanager
 async def _gateway(engine: str, render: str) -> AsyncIterator[Gateway]:
     # The engine first: idle again after the previous test (its answer is the readiness).
-    assert await trio.to_thread.run_sync(_engine_ready, engine), "llama.cpp server is gone"
+    assert await trio.to_thread.run_sync(llama_ready, engine), "llama.cpp server is gone"
     # Candidates of one request queue at llama.cpp's server (one generation at a time), and a
     # health check waits there behind them: the limits are guards for a loaded machine.
     settings = Settings(
         gateway=GatewaySettings(
-            host="127.0.0.1", port=0, access_log=False, token_gap_timeout=READY_TIMEOUT,
-            admission_wait=READY_TIMEOUT, health_timeout=READY_TIMEOUT,
+            host="127.0.0.1", port=0, access_log=False, token_gap_timeout=LLAMA_TIMEOUT,
+            admission_wait=LLAMA_TIMEOUT, health_timeout=LLAMA_TIMEOUT,
         ),
         models={
             MODEL: ModelSettings(
@@ -108,7 +66,7 @@ async def _gateway(engine: str, render: str) -> AsyncIterator[Gateway]:
         stop = trio.Event()
         binds = await nursery.start(partial(serve, settings, shutdown_trigger=stop, app=app))
         state = app.extensions["sieproxy"]
-        with trio.fail_after(READY_TIMEOUT):  # until the gateway's first health check passed
+        with trio.fail_after(LLAMA_TIMEOUT):  # until the gateway's first health check passed
             while not state.pools[MODEL].any_ready():
                 await trio.sleep(0.05)
         yield Gateway(binds[0], app.extensions["sieproxy"])
@@ -155,7 +113,7 @@ async def test_the_openai_sdk_sync_and_async_through_llama_cpp(gw: Gateway) -> N
 async def test_n_4_streams_in_the_contracts_order(gw: Gateway) -> None:
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": 6, "n": 4, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
-    async with httpx.AsyncClient(base_url=gw.url, timeout=READY_TIMEOUT) as client:
+    async with httpx.AsyncClient(base_url=gw.url, timeout=LLAMA_TIMEOUT) as client:
         r = await client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     events = [ln[6:] for ln in r.text.split("\n") if ln.startswith("data: ")]
@@ -172,7 +130,7 @@ async def test_n_4_streams_in_the_contracts_order(gw: Gateway) -> None:
 
 
 async def test_best_of_ranks_by_llama_cpps_logprobs_and_a_stop_string_cuts(gw: Gateway) -> None:
-    async with httpx.AsyncClient(base_url=gw.url, timeout=READY_TIMEOUT) as client:
+    async with httpx.AsyncClient(base_url=gw.url, timeout=LLAMA_TIMEOUT) as client:
         r = await client.post(
             "/v1/chat/completions",
             json={"model": MODEL, "messages": QUESTION, "max_tokens": 8, "best_of": 3,
@@ -198,14 +156,14 @@ ABORTED = re.compile(r'sieproxy_upstream_aborts_total\{[^}]*cause="client"[^}]*\
 async def test_a_client_that_leaves_closes_the_upstream_connection(gw: Gateway) -> None:
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "stream": True}
     async with (
-        httpx.AsyncClient(base_url=gw.url, timeout=READY_TIMEOUT) as client,
+        httpx.AsyncClient(base_url=gw.url, timeout=LLAMA_TIMEOUT) as client,
         client.stream("POST", "/v1/completions", json=body) as r,
     ):
         assert r.status_code == 200
         async for _ in r.aiter_lines():
             break  # the first event: then the client leaves
-    async with httpx.AsyncClient(base_url=gw.url, timeout=READY_TIMEOUT) as client:
-        with trio.fail_after(READY_TIMEOUT):  # counted once its connection was closed (the abort)
+    async with httpx.AsyncClient(base_url=gw.url, timeout=LLAMA_TIMEOUT) as client:
+        with trio.fail_after(LLAMA_TIMEOUT):  # counted once its connection was closed (the abort)
             while not ABORTED.search((await client.get("/metrics")).text):
                 await trio.sleep(0.1)
         # The engine is free again: llama.cpp serves one request at a time.

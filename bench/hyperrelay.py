@@ -2,7 +2,7 @@
 
 ``python -m bench.hyperrelay PORT ENGINE_PORT`` serves a raw ASGI app (no Quart) with
 Hypercorn's Trio worker, configured as ``sieproxy serve`` configures it: its client-write path
-(``sieproxy.hypercorn_io``), its framing of streamed bodies (``body_writer``, as the gateway
+(``sieproxy.front.hypercorn_io``), its framing of streamed bodies (``body_writer``, as the gateway
 sends them) and the serving process's garbage-collector tuning. Each ``POST`` is forwarded to
 the same path on the engine through the gateway's own upstream client
 (``sieproxy.fleet.client``), and the engine's response body — already OpenAI chunks — is

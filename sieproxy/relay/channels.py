@@ -5,7 +5,7 @@ or already holds a value. On the gateway's hot paths the task yields soon anyway
 upstream read or client write), so a second yield is only a task switch: these helpers take the
 ``*_nowait`` path when it succeeds and wait as trio does otherwise. Used for the relay's
 candidate channel (``sieproxy.relay``) and for Hypercorn's queue between a connection and its
-app (``sieproxy.hypercorn_io``).
+app (``sieproxy.front.hypercorn_io``).
 """
 
 from __future__ import annotations

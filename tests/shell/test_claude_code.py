@@ -3,11 +3,12 @@ at a gateway in front of a scripted fake engine, a dummy ``ANTHROPIC_API_KEY`` a
 names it asks for (``claude-opus-4-8``, ...) served through a ``claude-*`` alias.
 
 The npm package ``@anthropic-ai/claude-code`` (pinned below, the version docs/API.md describes)
-is installed into a temporary directory with npm, so the test needs node and npm (it skips only
-without them) and the npm registry (or npm's cache). The fake engine answers the first turn with
-a ``Bash`` tool call in the model's hermes format and the next turn, which carries the tool's
-output in a ``tool_result``, with text: Claude Code runs the command and prints the answer, a
-whole tool round trip through ``/v1/messages?beta=true``, streamed.
+is installed into a temporary directory with npm, so the test needs node, npm and the npm registry
+(or npm's cache): it skips, saying why, where npm cannot fetch the package in time. The fake
+engine answers the first turn with a ``Bash`` tool call in the model's hermes format and the next
+turn, which carries the tool's output in a ``tool_result``, with text: Claude Code runs the
+command and prints the answer, a whole tool round trip through ``/v1/messages?beta=true``,
+streamed.
 """
 
 from __future__ import annotations
@@ -37,13 +38,34 @@ CALL = (
 ANSWER = ["The", " command", " printed", " hi-from-tool."]
 
 
+# npm's own waits, so an unreachable registry ends in an error instead of a stall.
+NPM_NET = ["--prefer-offline", "--fetch-timeout=30000", "--fetch-retries=1"]
+
+
+def _npm(args: list[str], timeout: float, what: str) -> subprocess.CompletedProcess[str]:
+    """Run npm; skip the test, saying why, where npm cannot get the package (no registry, no
+    cache, a download that does not finish in ``timeout`` seconds): that is the machine's network,
+    never the gateway's behaviour."""
+    try:
+        done = subprocess.run(
+            ["npm", *args, *NPM_NET], capture_output=True, text=True, timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.skip(f"npm could not {what} in {timeout:.0f} s (the npm registry is slow or away)")
+    if done.returncode != 0:
+        pytest.skip(f"npm could not {what}: {done.stderr.strip()[-400:]}")
+    return done
+
+
 def _claude(tmp: Path) -> Path:
     if shutil.which("node") is None or shutil.which("npm") is None:
         pytest.skip("node and npm are needed to run Claude Code")
-    subprocess.run(
-        ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(tmp),
-         f"@anthropic-ai/claude-code@{VERSION}"],
-        check=True, capture_output=True, timeout=600,
+    package = f"@anthropic-ai/claude-code@{VERSION}"
+    _npm(["view", package, "version"], 120, f"reach the registry for {package}")
+    _npm(
+        ["install", "--no-audit", "--no-fund", "--prefix", str(tmp), package], 900,
+        f"install {package}",
     )  # fmt: skip
     # The package's postinstall copies the platform's native binary over a placeholder; npm may
     # not run install scripts, so the binary is taken from its platform package directly.
@@ -68,6 +90,7 @@ def _aliases(s: Settings) -> None:
     s.models[MODEL].tool_parser = "hermes"
 
 
+@pytest.mark.timeout(1500)  # the install's 900 s and Claude Code's 300 s, with room to spare
 async def test_claude_code_completes_a_tool_turn(tmp_path: Path) -> None:
     claude = await trio.to_thread.run_sync(_claude, tmp_path / "npm")
     seen: list[dict[str, Any]] = []

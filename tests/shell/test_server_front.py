@@ -127,10 +127,10 @@ def _own_private_names(module: Any, tree: ast.AST) -> set[str]:
 
 
 def test_the_fence_lists_every_private_name_the_package_uses() -> None:
-    """Every other library's private name that a module of ``sieproxy.hypercorn_io`` touches is
-    one ``missing()`` checks at start (``_RELIED_ON``, ``_PRIVATE``, or h11's ``_parsed``,
-    which it tries), and no module imports another library's private module: those names are
-    looked up through the fence."""
+    """Every other library's private name that a module of ``sieproxy.front.hypercorn_io``
+    touches is one ``missing()`` checks at start (``_RELIED_ON``, ``_PRIVATE``, or h11's
+    ``_parsed``, which it tries), and no module imports another library's private module: those
+    names are looked up through the fence."""
     checked = {"_parsed"}  # missing() builds an h11.Response with it
     checked |= {name.rsplit(".", 1)[1] for name in fence._PRIVATE}
     for _cls, on_class, on_instances in fence._RELIED_ON:
@@ -141,7 +141,7 @@ def test_the_fence_lists_every_private_name_the_package_uses() -> None:
     trees: dict[str, ast.AST] = {}
     own: set[str] = set()  # the package's own classes' names, usable in any of its modules
     for path in modules:
-        name = "sieproxy.hypercorn_io" + ("" if path.stem == "__init__" else f".{path.stem}")
+        name = fence.__package__ + ("" if path.stem == "__init__" else f".{path.stem}")
         trees[name] = tree = ast.parse(path.read_text("utf-8"))
         own |= _own_private_names(importlib.import_module(name), tree)
     unchecked: dict[str, set[str]] = {}

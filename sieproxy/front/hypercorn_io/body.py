@@ -3,7 +3,7 @@
 joined (``send_together``), and ``body_writer()``, what the gateway writes a body with.
 
 ``chunk_writer()`` goes one step beyond the connection's direct write
-(``sieproxy.hypercorn_io.connection``) for a streamed response body. Each piece an ASGI
+(``sieproxy.front.hypercorn_io.connection``) for a streamed response body. Each piece an ASGI
 app sends passes through Hypercorn's ``HTTPStream.app_send`` (a ``Body`` event and a copy), its
 ``H11Protocol`` (an ``h11.Data`` event through h11's state machine, which frames it as a chunk
 and joins the pieces: another copy) and a ``RawData`` event, before it reaches the socket write:

@@ -1,6 +1,6 @@
 """The connection: Hypercorn's Trio ``TCPServer`` with the gateway's fixes and fast paths
 (``TCPServer``), or with the fixes only (``PortableTCPServer``: the ``fast_paths`` setting off);
-``install()`` (``sieproxy.hypercorn_io.fence``) chooses which one Hypercorn's worker serves
+``install()`` (``sieproxy.front.hypercorn_io.fence``) chooses which one Hypercorn's worker serves
 with.
 
 Hypercorn's Trio ``TCPServer.protocol_send`` writes every piece of a response — each streamed
@@ -12,7 +12,7 @@ that machinery cost more than the ``send`` system call itself (bench/RESULTS.md)
 ``TCPServer`` below keeps Hypercorn's behaviour and changes only the common case: a plain-TCP
 connection with no write in progress writes the bytes to the descriptor at once and then yields
 to the scheduler once (a write stays a scheduling point, so one busy stream cannot starve the
-others; a streamed piece yields only when needed, see ``sieproxy.hypercorn_io.body``).
+others; a streamed piece yields only when needed, see ``sieproxy.front.hypercorn_io.body``).
 Everything else goes the way Hypercorn sends it:
 
 * TLS connections (``SSLStream``), and any event other than response bytes;
@@ -47,8 +47,8 @@ not) and ends where Hypercorn's ends (the client's end of stream, a reset, the c
 closed here).
 
 On each HTTP/1.1 protocol it serves, the connection answers a request h11 cannot read itself
-(``sieproxy.hypercorn_io.refusal``), and with the fast paths it replaces its task group's
-``spawn_app`` (``sieproxy.hypercorn_io.asgi_side``).
+(``sieproxy.front.hypercorn_io.refusal``), and with the fast paths it replaces its task group's
+``spawn_app`` (``sieproxy.front.hypercorn_io.asgi_side``).
 """
 
 from __future__ import annotations

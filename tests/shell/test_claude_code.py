@@ -54,11 +54,16 @@ def _npm(args: list[str], timeout: float, what: str) -> subprocess.CompletedProc
     except subprocess.TimeoutExpired:
         pytest.skip(f"npm could not {what} in {timeout:.0f} s (the npm registry is slow or away)")
     if done.returncode != 0:
-        pytest.skip(f"npm could not {what}: {done.stderr.strip()[-400:]}")
+        said = " / ".join(done.stderr.strip().splitlines()[:2])
+        pytest.skip(f"npm could not {what}: {said}")
     return done
 
 
-def _claude(tmp: Path) -> Path:
+@pytest.fixture
+def claude(tmp_path: Path) -> Path:
+    """Claude Code's native binary, installed under ``tmp_path`` before the test's Trio run
+    starts (so a skip keeps its reason)."""
+    tmp = tmp_path / "npm"
     if shutil.which("node") is None or shutil.which("npm") is None:
         pytest.skip("node and npm are needed to run Claude Code")
     package = f"@anthropic-ai/claude-code@{VERSION}"
@@ -91,8 +96,7 @@ def _aliases(s: Settings) -> None:
 
 
 @pytest.mark.timeout(1500)  # the install's 900 s and Claude Code's 300 s, with room to spare
-async def test_claude_code_completes_a_tool_turn(tmp_path: Path) -> None:
-    claude = await trio.to_thread.run_sync(_claude, tmp_path / "npm")
+async def test_claude_code_completes_a_tool_turn(claude: Path, tmp_path: Path) -> None:
     seen: list[dict[str, Any]] = []
     engine = FakeEngine(script=_script(seen))
     home = tmp_path / "home"

@@ -1571,6 +1571,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="that cache's size in tokens")  # fmt: skip
     p.add_argument("--tokenizer", default=None,
                    help="a tokenizer.json to tokenize text prompts with (None: by words)")
+    p.add_argument("--chat-only", action="store_true",
+                   help="serve only /v1/chat/completions and /v1/models, as hosted "
+                        "OpenAI-compatible endpoints do")  # fmt: skip
     return p
 
 
@@ -1583,6 +1586,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_path=args.model_path,
         served_model_name=args.served_model_name,
         context_length=args.context_length,
+        chat_only=args.chat_only,
     )
     if args.kv_events_config:
         from engine.fake_cache import FakePrefixCache

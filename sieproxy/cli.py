@@ -24,12 +24,17 @@ from .settings.load import ConfigError, as_dict, load_settings
 
 __all__ = ["main"]
 
-_DESCRIPTION = "OpenAI-compatible streaming gateway in front of SGLang engines."
+_DESCRIPTION = (
+    "OpenAI- and Anthropic-compatible streaming gateway in front of SGLang and "
+    "OpenAI-compatible engines."
+)
 _EPILOG = """\
 examples:
   sieproxy serve                         the default model on the embedded CPU engine,
                                          API at http://127.0.0.1:8000/v1
   sieproxy serve --port 8001             a second instance next to the first
+  sieproxy serve --engine URL           front one running engine (SGLang, or any
+                                         OpenAI-compatible server: vLLM, llama.cpp, ...)
   sieproxy serve --config gateway.toml   the engines and models of a settings file
   sieproxy config --config gateway.toml  check a settings file, print the effective one
 
@@ -62,10 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--model", help="run the embedded CPU engine on PATH (a Hugging Face "
                    "model directory or a .gguf file; default: SmolLM2-135M-Instruct)")  # fmt: skip
     m.add_argument("--engine", metavar="URL",
-                   help="front a running SGLang server at URL instead")  # fmt: skip
+                   help="front a running engine at URL instead: an SGLang server, or any "
+                   "OpenAI-compatible one (found by its /v1/models)")  # fmt: skip
     s.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name in the API (default: from the directory or file "
-                   "name, or the engine's served_model_name)")  # fmt: skip
+                   "name, or the engine's served_model_name or its one model's id)")  # fmt: skip
     family = "(default: from the model family where reliable; none: no parser)"
     s.add_argument("--tool-parser", choices=[*sorted(TOOL_PARSERS), "none"],
                    help=f"tool-call parser {family}")  # fmt: skip

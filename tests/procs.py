@@ -1,9 +1,19 @@
-"""Helpers for tests that run engines as real subprocesses."""
+"""Helpers for tests that run engines and the gateway as real subprocesses."""
 
 from __future__ import annotations
 
+import os
+import re
 import socket
 import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def stop_process(proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
@@ -30,3 +40,63 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def python_env() -> dict[str, str]:
+    """This environment with the checkout importable and no settings file named."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("SIEPROXY_CONFIG", None)
+    return env
+
+
+def wait_line(proc: subprocess.Popen[bytes], log: Path, pattern: str, timeout: float) -> str:
+    """The first group of ``pattern`` once the process's ``log`` has it (fails if it exits)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = re.search(pattern, log.read_text(errors="replace"))
+        if m:
+            return m.group(1)
+        if proc.poll() is not None:
+            pytest.fail(f"process exited ({proc.returncode}):\n{log.read_text()}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {pattern!r} within {timeout}s:\n{log.read_text()}")
+        time.sleep(0.05)
+
+
+def spawn_python(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """``python ARGV`` from the checkout, its output into ``log``."""
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, *argv], stdout=out, stderr=subprocess.STDOUT, env=python_env(),
+            cwd=ROOT,
+        )  # fmt: skip
+
+
+def wait_ready(url: str, timeout: float) -> None:
+    """Until the gateway at ``url`` answers ``/readyz`` with 200."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/readyz", timeout=10).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"{url} not ready within {timeout}s")
+        time.sleep(0.2)
+
+
+def serve_gateway(
+    tmp_path: Path, *flags: str, timeout: float, launcher: str | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``sieproxy serve FLAGS`` on a free port, once ready: the process and its URL."""
+    log = tmp_path / "gateway.log"
+    start = ["-m", "sieproxy"] if launcher is None else ["-c", launcher]
+    proc = spawn_python([*start, "serve", "--host", "127.0.0.1", "--port", "0", *flags], log)
+    try:
+        url = wait_line(proc, log, r"Running on (http://[0-9.]+:\d+)", 60)
+        wait_ready(url, timeout)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, url

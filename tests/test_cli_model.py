@@ -4,12 +4,7 @@
 from __future__ import annotations
 
 import json
-import os
-import re
 import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,17 +12,18 @@ import httpx
 import pytest
 
 from sieproxy.cli import main
+from sieproxy.operations import quickstart
 from sieproxy.operations.quickstart import (
+    EngineIdentity,
     ModelFlags,
+    engine_identity,
     serve_settings,
     served_name_for,
     settings_from_flags,
 )
 from sieproxy.operations.serve import effective_models
 from sieproxy.settings.load import DEFAULT_MODEL_NAME, ConfigError
-from tests.procs import stop_process
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.procs import serve_gateway, spawn_python, stop_process, wait_line
 
 
 def _model_dir(root: Path, model_type: str) -> Path:
@@ -103,73 +99,79 @@ def test_engine_flag_needs_a_name_when_the_engine_is_not_up() -> None:
     assert [str(u) for u in s.models["m"].engines] == ["http://127.0.0.1:9"]
 
 
+def _client(routes: dict[str, object]) -> httpx.Client:
+    """An httpx client whose server answers ``routes`` (path → JSON) and 404 elsewhere."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path in routes:
+            return httpx.Response(200, json=routes[request.url.path])
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    return httpx.Client(transport=httpx.MockTransport(handler))
+
+
+def test_engine_identity_tells_sglang_from_an_openai_compatible_server() -> None:
+    sglang = engine_identity("http://e:30000/", client=_client({"/model_info": {"a": 1}}))
+    assert (sglang.url, sglang.protocol, sglang.info) == ("http://e:30000", "sglang", {"a": 1})
+    listed = {"object": "list", "data": [{"id": "org/m", "object": "model"}]}
+    for url in ("http://e:8000", "http://e:8000/v1", "http://e:8000/v1/"):
+        found = engine_identity(url, client=_client({"/v1/models": listed}))
+        assert (found.url, found.protocol, found.models) == ("http://e:8000", "openai", ("org/m",))
+    with pytest.raises(ConfigError, match=r"/model_info or /v1/models \(HTTP 404\)"):
+        engine_identity("http://e:8000", client=_client({"/v1/models": {"data": []}}))
+
+
+def _found(monkeypatch: pytest.MonkeyPatch, found: EngineIdentity) -> None:
+    monkeypatch.setattr(quickstart, "engine_identity", lambda url: found)
+
+
+def test_engine_flag_fronts_an_openai_compatible_server_as_it_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its one model's id is the served name (the gateway asks the engine by it); the engine
+    renders (``render = "engine"``), so no template is needed and parser flags are refused."""
+    _found(monkeypatch, EngineIdentity("http://e:8000", "openai", {}, ("org/m",)))
+    s = settings_from_flags(ModelFlags(engine="http://e:8000/v1"))
+    (spec,) = s.models["org/m"].engines
+    assert not isinstance(spec, str)
+    assert (spec.url, spec.protocol) == ("http://e:8000", "openai")
+    assert s.models["org/m"].render_mode() == "engine"
+    with pytest.raises(ConfigError, match=r"^--tool-parser: .* OpenAI-compatible .* drop"):
+        settings_from_flags(ModelFlags(engine="http://e:8000", tool_parser="hermes"))
+    with pytest.raises(ConfigError, match=r"serves org/m, .* use one of them"):
+        settings_from_flags(ModelFlags(engine="http://e:8000", served_model_name="other"))
+    _found(monkeypatch, EngineIdentity("http://e:8000", "openai", {}, ("a", "b")))
+    with pytest.raises(ConfigError, match=r"serves 2 models \(a, b\); choose one with"):
+        settings_from_flags(ModelFlags(engine="http://e:8000"))
+    named = settings_from_flags(ModelFlags(engine="http://e:8000", served_model_name="b"))
+    assert list(named.models) == ["b"]
+
+
+def test_a_named_engine_that_is_not_up_takes_its_protocol_from_the_url() -> None:
+    s = settings_from_flags(ModelFlags(engine="http://127.0.0.1:9/v1", served_model_name="m"))
+    (spec,) = s.models["m"].engines
+    assert not isinstance(spec, str)
+    assert (spec.url, spec.protocol) == ("http://127.0.0.1:9", "openai")
+
+
 # ---- the real command ------------------------------------------------------------------------
 
 
-def _env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("SIEPROXY_CONFIG", None)
-    return env
-
-
-def _wait_line(proc: subprocess.Popen[bytes], log: Path, pattern: str, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = re.search(pattern, log.read_text(errors="replace"))
-        if m:
-            return m.group(1)
-        if proc.poll() is not None:
-            pytest.fail(f"process exited ({proc.returncode}):\n{log.read_text()}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"no {pattern!r} within {timeout}s:\n{log.read_text()}")
-        time.sleep(0.05)
-
-
-def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("wb") as out:
-        return subprocess.Popen(
-            [sys.executable, *argv], stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT
-        )
-
-
-def _ready(url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(url + "/readyz", timeout=10).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"{url} not ready within {timeout}s")
-        time.sleep(0.2)
-
-
-@pytest.fixture
-def fake_engine(tmp_path: Path) -> Iterator[str]:
+@pytest.fixture(params=["sglang", "openai"])
+def fake_engine(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The fake engine as SGLang serves it, or as a hosted OpenAI-compatible endpoint does
+    (chat and ``/v1/models`` only; its URL given with ``/v1``, as such endpoints are)."""
     log = tmp_path / "fake.log"
-    proc = _spawn(
-        ["-m", "engine.fake", "--port", "0", "--served-model-name", "org/fake-model"], log
+    chat_only = ["--chat-only"] if request.param == "openai" else []
+    proc = spawn_python(
+        ["-m", "engine.fake", "--port", "0", "--served-model-name", "org/fake-model", *chat_only],
+        log,
     )
     try:
-        yield _wait_line(proc, log, r"listening on (http://\S+)", 60)
+        url = wait_line(proc, log, r"listening on (http://\S+)", 60)
+        yield url + "/v1" if chat_only else url
     finally:
         stop_process(proc)
-
-
-def _serve(
-    tmp_path: Path, *flags: str, timeout: float, launcher: str | None = None
-) -> tuple[subprocess.Popen[bytes], str]:
-    log = tmp_path / "gateway.log"
-    start = ["-m", "sieproxy"] if launcher is None else ["-c", launcher]
-    proc = _spawn([*start, "serve", "--host", "127.0.0.1", "--port", "0", *flags], log)
-    try:
-        url = _wait_line(proc, log, r"Running on (http://[0-9.]+:\d+)", 60)
-        _ready(url, timeout)
-    except BaseException:
-        stop_process(proc)
-        raise
-    return proc, url
 
 
 def _served_and_answers(url: str, name: str, *, max_tokens: int, timeout: float) -> httpx.Response:
@@ -188,11 +190,16 @@ def _served_and_answers(url: str, name: str, *, max_tokens: int, timeout: float)
 
 
 def test_serve_engine_url_end_to_end(tmp_path: Path, fake_engine: str) -> None:
-    """``sieproxy serve --engine URL``: the name comes from the engine's /model_info."""
-    proc, url = _serve(tmp_path, "--engine", fake_engine, timeout=60)
+    """``sieproxy serve --engine URL``: the name comes from the engine's /model_info, or from
+    an OpenAI-compatible engine's /v1/models; a streamed answer comes through too."""
+    proc, url = serve_gateway(tmp_path, "--engine", fake_engine, timeout=60)
     try:
         r = _served_and_answers(url, "org/fake-model", max_tokens=3, timeout=30)
         assert r.json()["usage"]["completion_tokens"] == 3
+        body = {"model": "org/fake-model", "max_tokens": 3, "stream": True,
+                "messages": [{"role": "user", "content": "Say hello."}]}  # fmt: skip
+        streamed = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
     finally:
         stop_process(proc)
 
@@ -220,7 +227,7 @@ def test_serve_model_bundled_gguf_end_to_end(tmp_path: Path) -> None:
         "from sieproxy.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
-    proc, url = _serve(tmp_path, "--model", str(gguf), timeout=600, launcher=launcher)
+    proc, url = serve_gateway(tmp_path, "--model", str(gguf), timeout=600, launcher=launcher)
     try:
         _served_and_answers(url, "SmolLM2-135M-Instruct", max_tokens=8, timeout=300)
     finally:

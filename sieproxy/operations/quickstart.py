@@ -6,9 +6,13 @@ into :class:`~sieproxy.settings.load.Settings`).
   embedded CPU engine on it. The served name defaults to the directory's or file's name (a
   GGUF's quantization suffix such as ``.Q4_1`` dropped; a Hugging Face cache snapshot
   ``models--org--name/snapshots/<hash>`` gives ``org/name``).
-- ``--engine URL`` fronts a running SGLang-native server. Its ``/model_info`` (or
-  ``/server_info``) gives the served name (``served_model_name``, else the model path) and the
-  parsers it was started with, when the gateway knows them.
+- ``--engine URL`` fronts a running engine. An SGLang-native server is known by its
+  ``/model_info`` (or ``/server_info``), which gives the served name (``served_model_name``,
+  else the model path) and the parsers it was started with, when the gateway knows them. Any
+  other server that lists its models at ``GET /v1/models`` (vLLM, llama.cpp's server, TGI, a
+  hosted endpoint; ``URL`` may end in ``/v1``) is fronted as an OpenAI-compatible engine
+  (``protocol = "openai"``, the engine renders and parses): the served name is its one model's
+  id, and parser flags are refused, since the engine's own parsers apply.
 
 The tool and reasoning parsers default from the model family where that is reliable
 (:data:`FAMILY_PARSERS`: ``config.json``'s ``model_type`` or else its first ``architectures``
@@ -33,6 +37,7 @@ from ..core.shaping.toolparse import TOOL_PARSERS
 from ..settings.load import (
     DEFAULT_MODEL_NAME,
     ConfigError,
+    EngineSpec,
     ModelSettings,
     Settings,
     check_settings,
@@ -41,6 +46,7 @@ from ..settings.load import (
 
 __all__ = [
     "FAMILY_PARSERS",
+    "EngineIdentity",
     "ModelFlags",
     "engine_identity",
     "family_of",
@@ -138,28 +144,68 @@ def _gguf_architecture(path: Path) -> str | None:
         return None
 
 
-def engine_identity(url: str, timeout: float = ENGINE_INFO_TIMEOUT) -> dict[str, Any]:
-    """``/model_info`` of the engine at ``url`` (``/get_model_info``, then ``/server_info``,
-    for older servers); ``ConfigError`` naming the URL when none answers."""
-    problem = "no answer"
-    for path in ("/model_info", "/get_model_info", "/server_info", "/get_server_info"):
+@dataclass(frozen=True, slots=True)
+class EngineIdentity:
+    """What ``--engine URL`` found at start: the engine's base URL (without a ``/v1``), its
+    protocol, and its ``/model_info`` (SGLang) or its model ids (``/v1/models``)."""
+
+    url: str
+    protocol: str
+    info: dict[str, Any]
+    models: tuple[str, ...] = ()
+
+
+def engine_base(url: str) -> str:
+    """``url`` without a trailing ``/`` or ``/v1``: the gateway adds ``/v1/...`` itself."""
+    base = url.rstrip("/")
+    return base[: -len("/v1")] if base.endswith("/v1") else base
+
+
+def engine_identity(
+    url: str, timeout: float = ENGINE_INFO_TIMEOUT, client: httpx.Client | None = None
+) -> EngineIdentity:
+    """Which engine answers at ``url``: SGLang's ``/model_info`` (``/get_model_info``, then
+    ``/server_info``, for older servers), else an OpenAI-compatible ``/v1/models``;
+    ``ConfigError`` naming the URL when neither answers."""
+    base = engine_base(url)
+    with client or httpx.Client(timeout=timeout) as http:
+        problem = "no answer"
         try:
-            resp = httpx.get(url.rstrip("/") + path, timeout=timeout)
+            for path in ("/model_info", "/get_model_info", "/server_info", "/get_server_info"):
+                resp = http.get(base + path)
+                info = _json(resp)
+                if isinstance(info, dict):
+                    return EngineIdentity(base, "sglang", info)
+                problem = f"HTTP {resp.status_code}"
+            listed = _json(http.get(base + "/v1/models"))
         except httpx.HTTPError as exc:
-            problem = type(exc).__name__
-            break  # the server is not there: no other path will answer either
-        if resp.status_code == 200:
-            try:
-                info = resp.json()
-            except ValueError:
-                continue
-            if isinstance(info, dict):
-                return info
-        problem = f"HTTP {resp.status_code}"
+            problem = type(exc).__name__  # the server is not there: no other path will answer
+        else:
+            models = _model_ids(listed)
+            if models:
+                return EngineIdentity(base, "openai", {}, models)
     raise ConfigError(
-        f"--engine {url}: could not read the engine's /model_info ({problem}); start the engine "
-        "first, or name the model with --served-model-name"
+        f"--engine {url}: could not read the engine's /model_info or /v1/models ({problem}); "
+        "start the engine first, or name the model with --served-model-name"
     )
+
+
+def _json(resp: httpx.Response) -> Any:
+    if resp.status_code != 200:
+        return None
+    try:
+        return resp.json()
+    except ValueError:
+        return None
+
+
+def _model_ids(listed: Any) -> tuple[str, ...]:
+    """The ids of an OpenAI ``/v1/models`` list (``{"data": [{"id": ...}, ...]}``)."""
+    data = listed.get("data") if isinstance(listed, dict) else None
+    if not isinstance(data, list):
+        return ()
+    ids = (m.get("id") for m in data if isinstance(m, dict))
+    return tuple(i for i in ids if isinstance(i, str) and i)
 
 
 def _parser(flag: str | None, known: dict[str, Any], *candidates: object) -> str | None:
@@ -201,26 +247,7 @@ def settings_from_flags(flags: ModelFlags) -> Settings:
 def _apply(s: Settings, flags: ModelFlags) -> None:
     if flags.engine is not None:
         s.embedded_engine.enabled = False
-        info: dict[str, Any] = {}
-        if flags.served_model_name is None or (
-            flags.tool_parser is None or flags.reasoning_parser is None
-        ):
-            try:
-                info = engine_identity(flags.engine)
-            except ConfigError:
-                if flags.served_model_name is None:
-                    raise
-        name = flags.served_model_name or _engine_name(info, flags.engine)
-        tool, reasoning = FAMILY_PARSERS.get(_family(info) or "", (None, None))
-        s.models[name] = ModelSettings(
-            engines=[flags.engine],
-            tool_parser=_parser(
-                flags.tool_parser, TOOL_PARSERS, info.get("tool_call_parser"), tool
-            ),
-            reasoning_parser=_parser(
-                flags.reasoning_parser, REASONING_PARSERS, info.get("reasoning_parser"), reasoning
-            ),
-        )
+        _apply_engine(s, flags, flags.engine)
         return
     e = s.embedded_engine
     model = flags.model
@@ -240,6 +267,56 @@ def _apply(s: Settings, flags: ModelFlags) -> None:
     tool, reasoning = FAMILY_PARSERS.get(family_of(e.model) or "", (None, None))
     e.tool_parser = _parser(flags.tool_parser, TOOL_PARSERS, tool)
     e.reasoning_parser = _parser(flags.reasoning_parser, REASONING_PARSERS, reasoning)
+
+
+def _apply_engine(s: Settings, flags: ModelFlags, url: str) -> None:
+    try:
+        found = engine_identity(url)
+    except ConfigError:
+        if flags.served_model_name is None:
+            raise
+        # Not up yet, and named: its protocol cannot be asked, so a ``/v1`` URL says OpenAI.
+        protocol = "openai" if url.rstrip("/").endswith("/v1") else "sglang"
+        found = EngineIdentity(engine_base(url), protocol, {})
+    if found.protocol == "openai":
+        _apply_openai_engine(s, flags, url, found)
+        return
+    info = found.info
+    name = flags.served_model_name or _engine_name(info, url)
+    tool, reasoning = FAMILY_PARSERS.get(_family(info) or "", (None, None))
+    s.models[name] = ModelSettings(
+        engines=[found.url],
+        tool_parser=_parser(flags.tool_parser, TOOL_PARSERS, info.get("tool_call_parser"), tool),
+        reasoning_parser=_parser(
+            flags.reasoning_parser, REASONING_PARSERS, info.get("reasoning_parser"), reasoning
+        ),
+    )
+
+
+def _apply_openai_engine(s: Settings, flags: ModelFlags, url: str, found: EngineIdentity) -> None:
+    """An OpenAI-compatible engine renders chat and parses tool calls itself (``render =
+    "engine"``), and is asked for the model by the gateway's name: that name is its model's id."""
+    for flag, value in (("--tool-parser", flags.tool_parser),
+                        ("--reasoning-parser", flags.reasoning_parser)):  # fmt: skip
+        if value is not None:
+            raise ConfigError(
+                f"{flag}: the engine at {url} is OpenAI-compatible and applies its own parsers "
+                f"(vLLM: --tool-call-parser, --reasoning-parser); drop {flag}"
+            )
+    name = flags.served_model_name
+    if name is None:
+        if len(found.models) != 1:
+            raise ConfigError(
+                f"--engine {url}: the engine serves {len(found.models)} models "
+                f"({', '.join(found.models)}); choose one with --served-model-name"
+            )
+        name = found.models[0]
+    elif found.models and name not in found.models:
+        raise ConfigError(
+            f"--served-model-name {name}: the engine at {url} serves "
+            f"{', '.join(found.models)}, and is asked for the model by this name; use one of them"
+        )
+    s.models[name] = ModelSettings(engines=[EngineSpec(url=found.url, protocol="openai")])
 
 
 def _engine_name(info: dict[str, Any], url: str) -> str:

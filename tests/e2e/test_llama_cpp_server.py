@@ -18,6 +18,7 @@ import contextlib
 import re
 from collections.abc import AsyncIterator
 from functools import partial
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,7 @@ import trio  # noqa: E402
 from engine.cpu.model_store import resolve_model  # noqa: E402
 from sieproxy.operations.serve import build_app, serve  # noqa: E402
 from sieproxy.settings.load import EngineSpec, GatewaySettings, ModelSettings, Settings  # noqa: E402
+from tests.procs import serve_gateway, stop_process  # noqa: E402
 
 from .conftest import LLAMA_TIMEOUT, MODEL, llama_ready  # noqa: E402
 
@@ -171,3 +173,20 @@ async def test_a_client_that_leaves_closes_the_upstream_connection(gw: Gateway) 
             "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}
         )
     assert r.status_code == 200, r.text
+
+
+def test_serve_engine_flag_fronts_llama_cpps_server(llama_server: str, tmp_path: Path) -> None:
+    """``sieproxy serve --engine URL/v1``, no configuration file: the gateway finds an
+    OpenAI-compatible server (no ``/model_info``; ``/v1/models`` lists ``smol``), serves the
+    model under that id and passes chat through to it (``render = "engine"``)."""
+    proc, url = serve_gateway(tmp_path, "--engine", llama_server + "/v1", timeout=LLAMA_TIMEOUT)
+    try:
+        models = httpx.get(url + "/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == [MODEL]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=LLAMA_TIMEOUT)
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=4
+        )
+        assert r.choices[0].message.content and r.usage and r.usage.completion_tokens <= 4
+    finally:
+        stop_process(proc)

@@ -1394,8 +1394,8 @@ def cmd_tenants(a: argparse.Namespace) -> None:
         f"| A's TTFT p50 (queued) | {sat['a_ttft_p50_ms']:.1f} ms |",
         f"| statuses | B {_statuses(sat['b_statuses'])}; A {_statuses(sat['a_statuses'])} |",
         "",
-        "Fair share (sieproxy/core/fairshare.py) gives B's request the next free slot: B waits "
-        "for one of A's running requests to end, not for A's queue.",
+        "Fair share (sieproxy/core/tenancy/fairshare.py) gives B's request the next free slot: "
+        "B waits for one of A's running requests to end, not for A's queue.",
     ])
     _finish(a, "tenants", md, out["verdicts"], path)
 

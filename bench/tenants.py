@@ -15,7 +15,7 @@ Two scenarios, each with two tenants (keys in a keys file, both in the ``interac
   replica is full and A's requests queue for admission; then B sends ``b_requests``
   interactive requests one after another. What is shown: B's TTFT p50 beside the duration of
   one of A's requests (measured alone on the idle replica before the flood) and beside A's own
-  TTFT under saturation (queued). Fair share across tenants (core/fairshare.py) admits B's
+  TTFT under saturation (queued). Fair share across tenants (core/tenancy/fairshare.py) admits B's
   request at the next free slot instead of behind A's queue.
 
 The engine is the scripted fake (``ttft`` to the first token, ``itl`` between tokens,

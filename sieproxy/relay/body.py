@@ -128,7 +128,7 @@ class GenerationBody:
         #: the relay reads the time once per token).
         self._now: Callable[[], float] = trio.current_time
         self._il: InlineReader | None = None
-        # Keep-alives while the stream waits (the Messages API's ``ping``: sieproxy/inline.py).
+        # Keep-alives while the stream waits (the Messages API's ``ping``: relay/inline.py).
         self._ping = g.messages_ping_interval if getattr(shaper, "pings", False) else 0.0
         self._up = self._attempt(pool, replica, bodies)
         self._m = Merger(shaper, self._up, stats, fields or RequestFields())

@@ -28,7 +28,7 @@ __all__ = ["Merger", "Pinging", "buffered"]
 
 class Pinging(Protocol):
     """A shaper that sends keep-alives while its stream waits (``pings`` true: the Messages
-    API's ``ping`` events; sieproxy/inline.py decides when)."""
+    API's ``ping`` events; sieproxy/relay/inline.py decides when)."""
 
     pings: bool
 

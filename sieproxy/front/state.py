@@ -262,4 +262,8 @@ def _apply_limits(
         if isinstance(config, dict):
             vocab = positive_int(config.get("vocab_size"))
     state.profiles[model] = replace(state.profiles[model], context_length=context, vocab_size=vocab)
-    log.info("model %s: context length %s, vocabulary %s", model, context, vocab)
+    if context is not None or vocab is not None:  # an engine that tells neither: nothing to say
+        log.info(
+            "model %s: context length %s, vocabulary %s",
+            model, context or "not reported", vocab or "not reported",
+        )  # fmt: skip

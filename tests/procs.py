@@ -72,17 +72,31 @@ def spawn_python(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
         )  # fmt: skip
 
 
-def wait_ready(url: str, timeout: float) -> None:
-    """Until the gateway at ``url`` answers ``/readyz`` with 200."""
+def wait_ready(
+    url: str,
+    timeout: float,
+    *,
+    path: str = "/readyz",
+    proc: subprocess.Popen[bytes] | None = None,
+    log: Path | None = None,
+) -> None:
+    """Until the server at ``url`` answers ``path`` with 200 (a gateway's ``/readyz``, an
+    engine's ``/health``); fails, with ``log``, if ``proc`` exits first."""
     deadline = time.monotonic() + timeout
+
+    def said() -> str:
+        return "" if log is None else f":\n{log.read_text(errors='replace')}"
+
     while True:
         try:
-            if httpx.get(url + "/readyz", timeout=10).status_code == 200:
+            if httpx.get(url + path, timeout=60).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"{url} exited ({proc.returncode}) before {path} answered{said()}")
         if time.monotonic() > deadline:
-            pytest.fail(f"{url} not ready within {timeout}s")
+            pytest.fail(f"{url} did not answer {path} within {timeout}s{said()}")
         time.sleep(0.2)
 
 
@@ -95,7 +109,7 @@ def serve_gateway(
     proc = spawn_python([*start, "serve", "--host", "127.0.0.1", "--port", "0", *flags], log)
     try:
         url = wait_line(proc, log, r"Running on (http://[0-9.]+:\d+)", 60)
-        wait_ready(url, timeout)
+        wait_ready(url, timeout, proc=proc, log=log)
     except BaseException:
         stop_process(proc)
         raise

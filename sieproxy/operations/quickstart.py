@@ -276,8 +276,8 @@ def _apply_engine(s: Settings, flags: ModelFlags, url: str) -> None:
         if flags.served_model_name is None:
             raise
         # Not up yet, and named: its protocol cannot be asked, so a ``/v1`` URL says OpenAI.
-        protocol = "openai" if url.rstrip("/").endswith("/v1") else "sglang"
-        found = EngineIdentity(engine_base(url), protocol, {})
+        base = engine_base(url)
+        found = EngineIdentity(base, "openai" if base != url.rstrip("/") else "sglang", {})
     if found.protocol == "openai":
         _apply_openai_engine(s, flags, url, found)
         return

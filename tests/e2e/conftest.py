@@ -10,8 +10,6 @@ loopback port that a subprocess can reach too.
 from __future__ import annotations
 
 import contextlib
-import os
-import re
 import subprocess
 import sys
 import time
@@ -30,9 +28,8 @@ import trio  # noqa: E402
 from engine.cpu.model_store import default_gguf_path  # noqa: E402
 from sieproxy.operations.serve import build_app, serve  # noqa: E402
 from sieproxy.settings.load import GatewaySettings, ModelSettings, Settings  # noqa: E402
-from tests.procs import free_port, stop_process  # noqa: E402
+from tests.procs import free_port, spawn_python, stop_process, wait_line, wait_ready  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 #: The name the engine serves the model under, and the gateway's model name.
 MODEL = "smol"
 #: Model load takes ~5-60 s; be generous on a loaded 2-core machine.
@@ -55,57 +52,20 @@ def cpu_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CpuEngine]:
     """The CPU engine on a free loopback port (``--port 0``; the bound URL is read from its
     log), ready (``/health`` 200) before the first test; terminated at the end."""
     log_path = tmp_path_factory.mktemp("cpu-engine") / "engine.log"
-    log = log_path.open("wb")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "engine", "serve",
-            "--model", "default",
-            "--host", "127.0.0.1",
-            "--port", "0",
-            "--served-model-name", MODEL,
-            "--max-running", "16",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=str(ROOT),
+    proc = spawn_python(
+        ["-m", "engine", "serve", "--model", "default", "--host", "127.0.0.1", "--port", "0",
+         "--served-model-name", MODEL, "--max-running", "16"],
+        log_path,
     )  # fmt: skip
-
-    def logged() -> str:
-        return log_path.read_text(errors="replace")
-
     try:
-        deadline = time.monotonic() + READY_TIMEOUT
-        url = None
-        while url is None:
-            m = re.search(r"listening on (http://\S+)", logged())
-            if m:
-                url = m.group(1)
-            elif proc.poll() is not None:
-                pytest.fail(f"CPU engine exited ({proc.returncode}):\n{logged()}")
-            elif time.monotonic() > deadline:
-                pytest.fail(f"CPU engine did not bind within {READY_TIMEOUT}s:\n{logged()}")
-            else:
-                time.sleep(0.05)
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=60).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                pytest.fail(f"CPU engine exited ({proc.returncode}):\n{logged()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"CPU engine not healthy within {READY_TIMEOUT}s:\n{logged()}")
-            time.sleep(0.25)
+        url = wait_line(proc, log_path, r"listening on (http://\S+)", READY_TIMEOUT)
+        wait_ready(url, READY_TIMEOUT, path="/health", proc=proc, log=log_path)
         info = httpx.get(url + "/model_info", timeout=30).json()
         model_dir = info["tokenizer_path"]
         assert Path(model_dir, "tokenizer_config.json").is_file(), info
         yield CpuEngine(url=url, model_dir=model_dir, log_path=log_path)
     finally:
         stop_process(proc, grace=20)
-        log.close()
 
 
 @dataclass

@@ -5,14 +5,8 @@ the engine holds it, and the engine's reported ``cached_tokens`` equals the pred
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from functools import partial
-from pathlib import Path
 
 import pytest
 
@@ -24,11 +18,10 @@ import trio  # noqa: E402
 from sieproxy.fleet.cache_route import CacheAwarePolicy  # noqa: E402
 from sieproxy.operations.serve import build_app, serve  # noqa: E402
 from sieproxy.settings.load import GatewaySettings, ModelSettings, Settings  # noqa: E402
-from tests.procs import stop_process  # noqa: E402
+from tests.procs import spawn_python, stop_process, wait_line, wait_ready  # noqa: E402
 
 pytestmark = pytest.mark.model
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smol"
 READY_TIMEOUT = 600.0
 EVENTS = '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}'
@@ -36,46 +29,25 @@ EVENTS = '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*", "replay_endpoint
 
 @pytest.fixture(scope="module")
 def two_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
-    procs, logs, urls = [], [], []
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs, urls = [], []
     try:
         for i in range(2):
             path = tmp_path_factory.mktemp(f"engine{i}") / "engine.log"
-            log = path.open("wb")
-            logs.append((path, log))
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "engine", "serve", "--model", "default",
+            proc = spawn_python(
+                ["-m", "engine", "serve", "--model", "default",
                  "--host", "127.0.0.1", "--port", "0", "--served-model-name", MODEL,
                  "--max-running", "4", "--threads", "1", "--prefix-cache-tokens", "4096",
                  "--kv-events-config", EVENTS],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT)))
-        deadline = time.monotonic() + READY_TIMEOUT
-        for proc, (path, _) in zip(procs, logs, strict=True):
-            url = None
-            while url is None:
-                m = re.search(r"listening on (http://\S+)", path.read_text(errors="replace"))
-                if m:
-                    url = m.group(1)
-                elif proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"CPU engine did not start:\n{path.read_text(errors='replace')}")
-                else:
-                    time.sleep(0.05)
-            while True:
-                try:
-                    if httpx.get(url + "/health", timeout=60).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"CPU engine not healthy:\n{path.read_text(errors='replace')}")
-                time.sleep(0.25)
+                path,
+            )  # fmt: skip
+            procs.append(proc)
+            url = wait_line(proc, path, r"listening on (http://\S+)", READY_TIMEOUT)
+            wait_ready(url, READY_TIMEOUT, path="/health", proc=proc, log=path)
             urls.append(url)
         yield urls
     finally:
         for proc in procs:
             stop_process(proc, grace=20)
-        for _, log in logs:
-            log.close()
 
 
 async def test_a_repeated_prefix_lands_where_the_engine_caches_it(two_engines: list[str]) -> None:

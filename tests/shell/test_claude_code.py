@@ -42,7 +42,7 @@ ANSWER = ["The", " command", " printed", " hi-from-tool."]
 NPM_NET = ["--prefer-offline", "--fetch-timeout=30000", "--fetch-retries=1"]
 
 
-def _npm(args: list[str], timeout: float, what: str) -> subprocess.CompletedProcess[str]:
+def _npm(args: list[str], timeout: float, what: str) -> None:
     """Run npm; skip the test, saying why, where npm cannot get the package (no registry, no
     cache, a download that does not finish in ``timeout`` seconds): that is the machine's network,
     never the gateway's behaviour."""
@@ -56,7 +56,6 @@ def _npm(args: list[str], timeout: float, what: str) -> subprocess.CompletedProc
     if done.returncode != 0:
         said = " / ".join(done.stderr.strip().splitlines()[:2])
         pytest.skip(f"npm could not {what}: {said}")
-    return done
 
 
 @pytest.fixture

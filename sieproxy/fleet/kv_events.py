@@ -5,7 +5,12 @@ when it has a replay endpoint, answers on a ROUTER socket a request ``[b"", star
 with ``[b"", sequence, payload]`` for each batch it still holds from there, then an end marker
 (sequence −1, empty payload). The gateway subscribes with a SUB socket and asks for a replay
 with a short-lived DEALER socket, whenever
-:class:`~sieproxy.core.routing.kvindex.EventStream` says so.
+:class:`~sieproxy.core.routing.kvindex.EventStream` says so: on a gap in the sequence, and on
+each connection to the publisher. A PUB socket drops what it sends before a subscription
+reaches it, so a batch published while the gateway was connecting (the only one, when the
+engine then falls idle) would otherwise be missed until the next. The SUB socket's monitor
+reports the handshake; by then the subscription is queued on that connection, and the replay
+request, on a connection of its own, reaches the engine after it.
 
 Trio and pyzmq: sockets are used non-blocking (``zmq.NOBLOCK``) from the Trio thread only, and a
 task waits for the socket's notification descriptor with ``trio.lowlevel.wait_readable``: no
@@ -22,6 +27,7 @@ from collections.abc import Callable
 
 import trio
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from ..core.routing.kvindex import EventStream
 
@@ -72,21 +78,43 @@ async def follow(
     sub = zmq_context().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sub.connect(endpoint)
     log.info("following KV events at %s", endpoint)
     try:
-        while True:
-            frames = await _recv(sub)
-            if len(frames) < 3:
-                stream.bad_batches += 1
-                continue
-            start = stream.receive(_seq(frames[-2]), frames[-1], trio.current_time())
-            if start is not None:
-                await replay(stream, replay_endpoint, start)
-            if on_batch is not None and stream.last_ts is not None:
-                on_batch(max(0.0, time.time() - stream.last_ts))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_joins, stream, sub, monitor, replay_endpoint)
+            while True:
+                frames = await _recv(sub)
+                if len(frames) < 3:
+                    stream.bad_batches += 1
+                    continue
+                start = stream.receive(_seq(frames[-2]), frames[-1], trio.current_time())
+                if start is not None:
+                    await replay(stream, replay_endpoint, start)
+                if on_batch is not None and stream.last_ts is not None:
+                    on_batch(max(0.0, time.time() - stream.last_ts))
     finally:
+        sub.disable_monitor()
+        monitor.close(linger=0)
         sub.close(linger=0)
+
+
+async def _joins(
+    stream: EventStream,
+    sub: zmq.Socket[bytes],
+    monitor: zmq.Socket[bytes],
+    replay_endpoint: str | None,
+) -> None:
+    """On each completed connection to the publisher, replay what the stream may have missed."""
+    while True:
+        frames = await _recv(monitor)
+        if parse_monitor_message(frames)["event"] != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            continue
+        sub.getsockopt(zmq.EVENTS)  # the socket attaches the connection: the subscription goes
+        start = stream.join()
+        if start is not None:
+            await replay(stream, replay_endpoint, start)
 
 
 async def replay(stream: EventStream, endpoint: str | None, start: int) -> None:

@@ -341,3 +341,61 @@ def test_live_batches_already_replayed_are_skipped_not_taken_for_a_restart() -> 
     assert st.restarts == 0 and st.last_seq == 4
     feed(st, 5, ev[5])
     assert st.in_sync(0) and matched_blocks(KEYS, st.index) == 6
+
+
+def test_joining_replays_from_the_start_and_holds_live_batches() -> None:
+    st = EventStream(capacity_tokens=1000)
+    ev = chain_events(TOKS)
+    assert st.join() == 0 and st.joins == 1 and not st.suspect
+    assert feed(st, 3, ev[3]) is None  # arrives live while the replay runs: held
+    for seq in range(3):
+        st.replayed(seq, batch(ev[seq]))
+    st.replay_done()
+    assert st.in_sync(0) and st.last_seq == 3 and matched_blocks(KEYS, st.index) == 4
+    assert st.gaps == 0 and st.losses == 0
+
+
+def test_joining_an_engine_that_published_nothing_waits_for_its_first_batch() -> None:
+    st = EventStream(capacity_tokens=1000)
+    assert st.join() == 0
+    st.replay_done()  # nothing to replay
+    assert not st.in_sync(0) and st.last_seq is None and st.replay_from is None
+    assert feed(st, 0, ["AllBlocksCleared"]) is None and st.in_sync(0)
+
+
+def test_joining_while_a_replay_is_awaited_asks_no_second_one() -> None:
+    st = EventStream(capacity_tokens=1000)
+    feed(st, 0, ["AllBlocksCleared"])
+    assert feed(st, 3, ["AllBlocksCleared"]) == 1
+    assert st.join() is None and st.replay_from == 1
+
+
+def test_a_reconnection_is_suspect_until_the_sequence_goes_on() -> None:
+    st = EventStream(capacity_tokens=1000)
+    ev = chain_events(TOKS)
+    assert st.join() == 0
+    st.replay_done()
+    feed(st, 0, ev[0])
+    assert st.in_sync(0)
+    assert st.join() == 1 and st.joins == 2  # reconnected
+    st.replay_done()  # nothing newer: the engine may be a new process
+    assert not st.in_sync(0) and st.suspect
+    feed(st, 1, ev[1])  # the sequence goes on: the same process
+    assert st.in_sync(0) and matched_blocks(KEYS, st.index) == 2
+    assert st.join() == 2  # reconnected again, and the replay brings what was missed
+    st.replayed(2, batch(ev[2]))
+    st.replay_done()
+    assert st.in_sync(0) and st.last_seq == 2 and st.restarts == 0
+
+
+def test_restart_forgets_everything() -> None:
+    st = EventStream(capacity_tokens=1000)
+    feed(st, 0, *chain_events(TOKS))
+    feed(st, 1, ["AllBlocksCleared"])
+    st.restart()  # e.g. the engine now publishes on new endpoints
+    assert st.restarts == 1 and st.last_seq is None and len(st.index) == 0
+    assert not st.in_sync(0)
+    assert feed(st, 0, ["AllBlocksCleared"]) is None  # its sequence 0: no second restart
+    assert st.restarts == 1 and st.in_sync(0)
+    st.restart()
+    assert feed(st, 2, ["AllBlocksCleared"]) == 0  # its first batch seen later: replay from 0

@@ -84,11 +84,12 @@ async def until(pred: Callable[[], bool]) -> None:
 
 
 def subscribed(gw: Gateway) -> bool:
-    """Every replica's advertised event stream is followed (it is in sync from its first
-    batch: sequence 0, or a replay from 0 when the subscription joined late)."""
+    """Every replica's advertised event stream is followed: the gateway connected to it and
+    replayed what was published before (:meth:`EventStream.join`)."""
     caches = policy(gw).caches
     return len(caches) == len(gw.engines) and all(
-        rc.stream is not None for rc in caches.values())
+        rc.stream is not None and rc.stream.joins >= 1 and rc.stream.replay_from is None
+        for rc in caches.values())
 
 
 def holding(gw: Gateway, i: int, blocks: int) -> Callable[[], bool]:

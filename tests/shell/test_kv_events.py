@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 import trio
@@ -31,23 +32,38 @@ async def until(pred: Callable[[], bool]) -> None:
         await trio.sleep(0.01)
 
 
-@asynccontextmanager
-async def wired(replay: bool = True, stale: float = 10.0) -> AsyncIterator[
-        tuple[KVEventPublisher, EventStream]]:
+def joined(stream: EventStream) -> bool:
+    """The subscriber connected and replayed what it may have missed."""
+    return stream.joins >= 1 and stream.replay_from is None
+
+
+def loopback(replay: bool = True) -> dict[str, Any]:
     conf = parse_kv_events_config(
         '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*"'
         + (', "replay_endpoint": "tcp://127.0.0.1:*"' if replay else "") + "}")
     assert conf is not None
-    pub = KVEventPublisher(conf)
+    return conf
+
+
+async def in_sync(pub: KVEventPublisher, stream: EventStream) -> None:
+    """Once the subscriber joined, announce an empty cache until the stream is in sync (without
+    a replay socket nothing says when the subscription reached the publisher, which drops what
+    it sends before that)."""
+    await until(lambda: joined(stream))
+    while not stream.in_sync(trio.current_time()):
+        pub.publish([["AllBlocksCleared"]])
+        await trio.sleep(0.02)
+
+
+@asynccontextmanager
+async def wired(replay: bool = True, stale: float = 10.0) -> AsyncIterator[
+        tuple[KVEventPublisher, EventStream]]:
+    pub = KVEventPublisher(loopback(replay))
     stream = EventStream(capacity_tokens=8 * B, stale_after=stale)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(follow, stream, pub.endpoint, pub.replay_endpoint)
-            # PUB drops what it sends before the subscription reaches it: announce an empty
-            # cache until the stream is in sync (at once, or after a replay from 0)
-            while not stream.in_sync(trio.current_time()):
-                pub.publish([["AllBlocksCleared"]])
-                await trio.sleep(0.02)
+            await in_sync(pub, stream)
             yield pub, stream
             nursery.cancel_scope.cancel()
     finally:
@@ -74,6 +90,57 @@ async def test_the_index_follows_the_engines_events() -> None:
             pub.publish([["BlockRemoved", [103]]])
             await until(lambda: matched_blocks(KEYS, stream.index) == 3)
             assert stream.gaps == 0 and stream.in_sync(trio.current_time())
+
+
+async def test_what_was_published_before_the_subscription_is_replayed_on_joining() -> None:
+    conf = loopback()
+    pub = KVEventPublisher(conf)
+    try:
+        for i in range(3):  # no subscriber yet: the PUB socket drops them
+            pub.publish([stored(i)])
+        pub.flush()
+        assert pub.published == 3
+        stream = EventStream(capacity_tokens=8 * B)
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(follow, stream, pub.endpoint, pub.replay_endpoint)
+                # the engine then falls idle: only the join's replay brings them
+                await until(lambda: stream.last_seq == 2)
+                assert joined(stream) and stream.in_sync(trio.current_time())
+                assert matched_blocks(KEYS, stream.index) == 3 and stream.gaps == 0
+                nursery.cancel_scope.cancel()
+    finally:
+        pub.close()
+
+
+async def test_a_reconnection_replays_and_a_new_process_shows_its_restart() -> None:
+    conf = loopback()
+    pub = KVEventPublisher(conf)
+    # a wildcard host binds (a concrete one would connect, as in SGLang)
+    endpoints = {"endpoint": pub.endpoint.replace("127.0.0.1", "*"),
+                 "replay_endpoint": pub.replay_endpoint}
+    stream = EventStream(capacity_tokens=8 * B)
+    try:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(follow, stream, pub.endpoint, pub.replay_endpoint)
+                await in_sync(pub, stream)
+                pub.publish([stored(0)])
+                await until(lambda: matched_blocks(KEYS, stream.index) == 1)
+                # the engine process goes and a new one binds the same endpoints, publishing
+                # its first batch before the gateway reconnects
+                pub.close()
+                pub = KVEventPublisher({**conf, **endpoints})
+                pub.publish([stored(0)])
+                pub.flush()
+                await until(lambda: stream.joins == 2 and stream.replay_from is None)
+                assert not stream.in_sync(trio.current_time())  # suspect until it is known
+                pub.publish([stored(1)])  # its sequence 1 after our last 1+: taken as a restart
+                await until(lambda: stream.restarts == 1 and stream.in_sync(trio.current_time()))
+                assert matched_blocks(KEYS, stream.index) == 2
+                nursery.cancel_scope.cancel()
+    finally:
+        pub.close()
 
 
 async def test_lost_batches_are_replayed() -> None:

@@ -26,17 +26,21 @@ Engine hashes only map each event's blocks to these keys (per data-parallel rank
 Sync. :class:`EventStream` follows one replica's sequence numbers. The index is *in sync*
 while every batch since the engine's first (or since its cache was cleared) was applied:
 
+- each connection to the publisher (:meth:`EventStream.join`) asks for a replay from the next
+  sequence, since a subscriber misses what was published before its subscription arrived; a
+  reconnection also makes the stream suspect (the engine may be a new process);
 - first contact at sequence 0, or an ``AllBlocksCleared``: in sync (the cache was empty);
 - first contact later, or a gap: a replay is asked for from the first missing sequence
   (:meth:`EventStream.receive` returns it), live batches are held meanwhile; the replay fills
   the gap → in sync; it cannot (the engine's buffer no longer reaches back) → *lost*;
-- a sequence going backwards: the engine restarted (its cache is empty): cleared, and in sync
-  from its sequence 0 (replayed when the first one seen is later);
+- a sequence going backwards, or the engine publishing on new endpoints
+  (:meth:`EventStream.restart`): the engine restarted (its cache is empty): cleared, and in
+  sync from its sequence 0 (replayed when the first one seen is later);
 - lost: the index is cleared and follows new events; it is in sync again once the blocks
   stored since cover the replica's whole cache (everything older has been evicted by then), or
   at the next ``AllBlocksCleared`` or restart;
-- suspect (the health watcher saw the replica fail): out of sync until the next batch shows
-  the sequence continuing (same engine process) or restarting;
+- suspect (the health watcher saw the replica fail, or a reconnection): out of sync until the
+  next batch shows the sequence continuing (same engine process) or restarting;
 - stale: a request was sent there ``stale_after`` seconds ago and no batch came since.
 
 A replica whose stream is not in sync is routed on the approximate index
@@ -368,6 +372,7 @@ class EventStream:
         self.last_batch_at: float | None = None
         self.last_ts: float | None = None  # the engine's timestamp of the last batch
         # counters (metrics)
+        self.joins = 0  # connections to the engine's publisher
         self.gaps = 0
         self.restarts = 0
         self.losses = 0
@@ -392,14 +397,26 @@ class EventStream:
         self.suspect = True
 
     # -- input
+    def join(self) -> int | None:
+        """The subscription reached the engine (a connection to it completed): returns the
+        sequence to replay from, so what was published before the engine heard of the
+        subscription is not missed (None: a replay is already awaited)."""
+        self.joins += 1
+        if self.joins > 1:  # a reconnection: the engine may be a new process
+            self.suspect = True
+        if self.replay_from is not None:
+            return None
+        self.replay_from = self.last_seq + 1 if self.last_seq is not None else 0
+        return self.replay_from
+
     def receive(self, seq: int, payload: bytes, now: float) -> int | None:
         """A live batch; returns the sequence to replay from when one is needed now."""
         self.last_batch_at = now
         self._sent_at = None
-        live_last, self._live_last = self._live_last, seq
-        if live_last is not None and seq <= live_last:
-            self._restart()  # the live socket is ordered: its sequence went back
-        elif self.last_seq is not None and seq <= self.last_seq:
+        if self._live_last is not None and seq <= self._live_last:
+            self.restart()  # the live socket is ordered: its sequence went back
+        self._live_last = seq
+        if self.last_seq is not None and seq <= self.last_seq:
             return None  # already applied from a replay
         batch = self._decode(payload)
         if self.replay_from is not None:
@@ -437,7 +454,8 @@ class EventStream:
 
     def replay_done(self) -> None:
         """The replay ended (its end marker, or it failed): apply what was held, in order."""
-        if self.replay_from is None:
+        start = self.replay_from
+        if start is None:
             return
         self.replay_from = None
         held, self._held = self._held, []
@@ -447,7 +465,8 @@ class EventStream:
             if self.last_seq is None or seq != self.last_seq + 1:
                 self._lost()
             self._apply(seq, batch)
-        self.suspect = False
+        if self.last_seq is not None and self.last_seq >= start:
+            self.suspect = False  # the sequence went on: the same engine process
 
     # -- internals
     def _decode(self, payload: bytes) -> EventBatch | None:
@@ -467,10 +486,11 @@ class EventStream:
         self.synced = True
         self.suspect = False
 
-    def _restart(self) -> None:
+    def restart(self) -> None:
+        """The engine is a new process: its cache is empty and its sequence starts over."""
         self.restarts += 1
         self.index.clear()
-        self.last_seq = None
+        self.last_seq = self._live_last = None
         self.synced = False
         self.replay_from = None
         self._held = []

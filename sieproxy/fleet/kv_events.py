@@ -119,13 +119,15 @@ async def _joins(
 
 async def replay(stream: EventStream, endpoint: str | None, start: int) -> None:
     """Ask ``endpoint`` for every batch from ``start`` and feed them to ``stream``; then end
-    the replay (what could not be filled is lost, :meth:`EventStream.replay_done`)."""
+    the replay (what could not be filled is lost, :meth:`EventStream.replay_done`), saying
+    whether the engine's end marker came."""
     if endpoint is None:
         stream.replay_done()
         return
     sock = zmq_context().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
+    ended = False
     try:
         sock.send_multipart([b"", start.to_bytes(8, "big")])
         with trio.move_on_after(REPLAY_TIMEOUT) as scope:
@@ -135,10 +137,11 @@ async def replay(stream: EventStream, endpoint: str | None, start: int) -> None:
                     continue
                 seq, payload = _seq(frames[-2]), frames[-1]
                 if seq < 0 or not payload:
+                    ended = True
                     break
                 stream.replayed(seq, payload)
         if scope.cancelled_caught:
             log.warning("KV-event replay from %s timed out", endpoint)
     finally:
         sock.close(linger=0)
-        stream.replay_done()
+        stream.replay_done(ended=ended)

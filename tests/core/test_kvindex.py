@@ -355,12 +355,28 @@ def test_joining_replays_from_the_start_and_holds_live_batches() -> None:
     assert st.gaps == 0 and st.losses == 0
 
 
-def test_joining_an_engine_that_published_nothing_waits_for_its_first_batch() -> None:
+def test_joining_an_engine_that_published_nothing_is_in_sync_and_empty() -> None:
     st = EventStream(capacity_tokens=1000)
     assert st.join() == 0
-    st.replay_done()  # nothing to replay
+    st.replay_done(ended=True)  # the end marker, and nothing before it
+    assert st.in_sync(0) and st.last_seq is None and len(st.index) == 0
+    assert feed(st, 0, *chain_events(TOKS)) is None  # its first batch, then
+    assert st.in_sync(0) and matched_blocks(KEYS, st.index) == 6
+
+
+def test_a_join_replay_without_an_answer_waits_for_the_first_batch() -> None:
+    st = EventStream(capacity_tokens=1000)
+    assert st.join() == 0
+    st.replay_done()  # no replay socket, or it timed out: nothing is known
     assert not st.in_sync(0) and st.last_seq is None and st.replay_from is None
     assert feed(st, 0, ["AllBlocksCleared"]) is None and st.in_sync(0)
+    st.restart()  # a later join's empty replay from 0 after the engine moved: in sync
+    assert st.join() == 0
+    st.replay_done(ended=True)
+    assert st.in_sync(0)
+    assert st.join() == 0 and st.suspect  # a reconnection before any batch: suspect ...
+    st.replay_done(ended=True)  # ... until the engine says it published nothing
+    assert st.in_sync(0)
 
 
 def test_joining_while_a_replay_is_awaited_asks_no_second_one() -> None:

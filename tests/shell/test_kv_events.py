@@ -46,9 +46,9 @@ def loopback(replay: bool = True) -> dict[str, Any]:
 
 
 async def in_sync(pub: KVEventPublisher, stream: EventStream) -> None:
-    """Once the subscriber joined, announce an empty cache until the stream is in sync (without
-    a replay socket nothing says when the subscription reached the publisher, which drops what
-    it sends before that)."""
+    """Once the subscriber joined, announce an empty cache until the stream is in sync. With a
+    replay socket it is at once (the join's replay from 0 found nothing); without one nothing
+    says when the subscription reached the publisher, which drops what it sends before that."""
     await until(lambda: joined(stream))
     while not stream.in_sync(trio.current_time()):
         pub.publish([["AllBlocksCleared"]])
@@ -83,7 +83,7 @@ def test_config_is_sglangs_json() -> None:
 async def test_the_index_follows_the_engines_events() -> None:
     with trio.fail_after(20):
         async with wired() as (pub, stream):
-            assert stream.in_sync(trio.current_time())  # joined late: replayed from 0
+            assert stream.in_sync(trio.current_time())  # joined: the replay from 0 was empty
             for i in range(6):
                 pub.publish([stored(i)])
             await until(lambda: matched_blocks(KEYS, stream.index) == 6)
@@ -125,8 +125,10 @@ async def test_a_reconnection_replays_and_a_new_process_shows_its_restart() -> N
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(follow, stream, pub.endpoint, pub.replay_endpoint)
                 await in_sync(pub, stream)
-                pub.publish([stored(0)])
+                for batch in ([["AllBlocksCleared"]], [["AllBlocksCleared"]], [stored(0)]):
+                    pub.publish(batch)
                 await until(lambda: matched_blocks(KEYS, stream.index) == 1)
+                assert stream.last_seq == 2
                 # the engine process goes and a new one binds the same endpoints, publishing
                 # its first batch before the gateway reconnects
                 pub.close()
@@ -135,7 +137,7 @@ async def test_a_reconnection_replays_and_a_new_process_shows_its_restart() -> N
                 pub.flush()
                 await until(lambda: stream.joins == 2 and stream.replay_from is None)
                 assert not stream.in_sync(trio.current_time())  # suspect until it is known
-                pub.publish([stored(1)])  # its sequence 1 after our last 1+: taken as a restart
+                pub.publish([stored(1)])  # its sequence 1 after our 2: taken as a restart
                 await until(lambda: stream.restarts == 1 and stream.in_sync(trio.current_time()))
                 assert matched_blocks(KEYS, stream.index) == 2
                 nursery.cancel_scope.cancel()

@@ -29,7 +29,8 @@ while every batch since the engine's first (or since its cache was cleared) was 
 - each connection to the publisher (:meth:`EventStream.join`) asks for a replay from the next
   sequence, since a subscriber misses what was published before its subscription arrived; a
   reconnection also makes the stream suspect (the engine may be a new process);
-- first contact at sequence 0, or an ``AllBlocksCleared``: in sync (the cache was empty);
+- first contact at sequence 0, an ``AllBlocksCleared``, or a replay from 0 that the engine
+  answers with nothing (it has published nothing): in sync (the cache was empty);
 - first contact later, or a gap: a replay is asked for from the first missing sequence
   (:meth:`EventStream.receive` returns it), live batches are held meanwhile; the replay fills
   the gap → in sync; it cannot (the engine's buffer no longer reaches back) → *lost*;
@@ -452,13 +453,18 @@ class EventStream:
             self._start_empty()
         self._apply(seq, self._decode(payload))
 
-    def replay_done(self) -> None:
-        """The replay ended (its end marker, or it failed): apply what was held, in order."""
+    def replay_done(self, *, ended: bool = False) -> None:
+        """The replay ended (``ended``: its end marker came; else it failed): apply what was
+        held, in order. An engine that answers a replay from 0 with nothing and sent nothing
+        live has published nothing since it started: its cache is empty, in sync."""
         start = self.replay_from
         if start is None:
             return
         self.replay_from = None
         held, self._held = self._held, []
+        if ended and start == 0 and self.last_seq is None and not held:
+            self._start_empty()
+            return
         for seq, batch in held:
             if self.last_seq is not None and seq <= self.last_seq:
                 continue

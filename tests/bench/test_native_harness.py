@@ -425,7 +425,15 @@ def _chunked(events: list[bytes], rng: random.Random) -> bytes:
     return out + b"0\r\n\r\n"
 
 
+MAX_CONNECTIONS = 32
+
+
 def _scripted_server(respond: Callable[[random.Random], bytes], serve: int) -> tuple[int, Any]:
+    """A server answering ``serve`` requests per connection with ``respond``, on at most
+    :data:`MAX_CONNECTIONS` connections: a client whose every request fails reconnects at once,
+    about a thousand times a second, and a thread per connection at that rate on a busy machine
+    is how a test server drops connections. Later connections wait in the backlog until the
+    load generator stops (in flight, not errors)."""
     lsock = socket.socket()
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(16)
@@ -465,13 +473,11 @@ def _scripted_server(respond: Callable[[random.Random], bytes], serve: int) -> t
                         time.sleep(0.0005)
 
     def accept() -> None:
-        k = 0
-        while not stop.is_set():
+        for k in range(1, MAX_CONNECTIONS + 1):
             try:
                 s, _ = lsock.accept()
             except OSError:
                 return
-            k += 1
             threading.Thread(target=conn, args=(s, k), daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()

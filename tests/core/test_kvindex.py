@@ -415,3 +415,14 @@ def test_restart_forgets_everything() -> None:
     assert st.restarts == 1 and st.in_sync(0)
     st.restart()
     assert feed(st, 2, ["AllBlocksCleared"]) == 0  # its first batch seen later: replay from 0
+
+
+@pytest.mark.parametrize("ended", [True, False])
+def test_a_first_batch_that_comes_live_during_the_join_replay_starts_in_sync(ended: bool) -> None:
+    st = EventStream(capacity_tokens=1000)
+    ev = chain_events(TOKS)
+    assert st.join() == 0
+    assert feed(st, 0, ev[0]) is None and feed(st, 1, ev[1]) is None  # held
+    st.replay_done(ended=ended)  # the replay came before them (empty), or never answered
+    assert st.in_sync(0) and st.last_seq == 1 and st.losses == 0
+    assert matched_blocks(KEYS, st.index) == 2

@@ -468,7 +468,9 @@ class EventStream:
         for seq, batch in held:
             if self.last_seq is not None and seq <= self.last_seq:
                 continue
-            if self.last_seq is None or seq != self.last_seq + 1:
+            if self.last_seq is None and seq == 0:
+                self._start_empty()  # the engine's first batch came live
+            elif self.last_seq is None or seq != self.last_seq + 1:
                 self._lost()
             self._apply(seq, batch)
         if self.last_seq is not None and self.last_seq >= start:

@@ -32,7 +32,12 @@ def test_a_thread_that_ends_in_the_window_keeps_its_time() -> None:
     a = sample_tree([os.getpid()])
     go_on.set()
     th.join()
+    # join() returns once Python is done with the thread; the kernel removes its task entry
+    # (and its schedstat counter) a moment later
+    while os.path.exists(f"/proc/self/task/{th.native_id}"):
+        time.sleep(0.001)
     b = sample_tree([os.getpid()])
+    assert th.native_id not in b.threads
     assert b.cpu - a.cpu < 0.1  # the plain difference lost the ended thread's 0.5 s
     assert 0.25 <= cpu_between(a, b) < 2.0
 

@@ -252,16 +252,14 @@ class CacheAwarePolicy:
                     ev, rep = self.endpoints(r.url)
                     if ev is None:
                         ev, rep = rc.advertised
-                    moved = rc.scope is not None and rc.following != (ev, rep)
-                    if moved:  # the engine publishes elsewhere: a new process
-                        assert rc.scope is not None
-                        rc.scope.cancel()
+                    if rc.scope is not None and rc.following != (ev, rep):
+                        rc.scope.cancel()  # the engine publishes elsewhere: a new process
                         rc.scope = None
+                        if rc.stream is not None:
+                            rc.stream.restart()
                     if rc.scope is None and ev is not None:
                         if rc.stream is None:
                             rc.stream = EventStream(rc.capacity, self.m.kv_events_stale)
-                        elif moved:
-                            rc.stream.restart()
                         rc.scope, rc.following = trio.CancelScope(), (ev, rep)
                         nursery.start_soon(self._follow, rc, ev, rep)
                 for url in set(self.caches) - urls:  # dropped by a reload

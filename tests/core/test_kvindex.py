@@ -346,11 +346,14 @@ def test_live_batches_already_replayed_are_skipped_not_taken_for_a_restart() -> 
 def test_joining_replays_from_the_start_and_holds_live_batches() -> None:
     st = EventStream(capacity_tokens=1000)
     ev = chain_events(TOKS)
+    assert not st.joined
     assert st.join() == 0 and st.joins == 1 and not st.suspect
+    assert not st.joined  # the replay is still awaited
     assert feed(st, 3, ev[3]) is None  # arrives live while the replay runs: held
     for seq in range(3):
         st.replayed(seq, batch(ev[seq]))
     st.replay_done()
+    assert st.joined
     assert st.in_sync(0) and st.last_seq == 3 and matched_blocks(KEYS, st.index) == 4
     assert st.gaps == 0 and st.losses == 0
 

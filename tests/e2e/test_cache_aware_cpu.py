@@ -70,8 +70,8 @@ async def test_a_repeated_prefix_lands_where_the_engine_caches_it(two_engines: l
                 while (await client.get("/readyz")).status_code != 200:
                     await trio.sleep(0.1)
                 while not (policy.tokenizer is not None and len(policy.caches) == 2 and all(
-                        rc.stream is not None and rc.stream.joins >= 1
-                        and rc.stream.replay_from is None for rc in policy.caches.values())):
+                        rc.stream is not None and rc.stream.joined
+                        for rc in policy.caches.values())):
                     await trio.sleep(0.1)
 
                 async def ask(question: str) -> int:

@@ -88,8 +88,7 @@ def subscribed(gw: Gateway) -> bool:
     replayed what was published before (:meth:`EventStream.join`)."""
     caches = policy(gw).caches
     return len(caches) == len(gw.engines) and all(
-        rc.stream is not None and rc.stream.joins >= 1 and rc.stream.replay_from is None
-        for rc in caches.values())
+        rc.stream is not None and rc.stream.joined for rc in caches.values())
 
 
 def holding(gw: Gateway, i: int, blocks: int) -> Callable[[], bool]:

@@ -32,11 +32,6 @@ async def until(pred: Callable[[], bool]) -> None:
         await trio.sleep(0.01)
 
 
-def joined(stream: EventStream) -> bool:
-    """The subscriber connected and replayed what it may have missed."""
-    return stream.joins >= 1 and stream.replay_from is None
-
-
 def loopback(replay: bool = True) -> dict[str, Any]:
     conf = parse_kv_events_config(
         '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*"'
@@ -49,7 +44,7 @@ async def in_sync(pub: KVEventPublisher, stream: EventStream) -> None:
     """Once the subscriber joined, announce an empty cache until the stream is in sync. With a
     replay socket it is at once (the join's replay from 0 found nothing); without one nothing
     says when the subscription reached the publisher, which drops what it sends before that."""
-    await until(lambda: joined(stream))
+    await until(lambda: stream.joined)
     while not stream.in_sync(trio.current_time()):
         pub.publish([["AllBlocksCleared"]])
         await trio.sleep(0.02)
@@ -106,7 +101,7 @@ async def test_what_was_published_before_the_subscription_is_replayed_on_joining
                 nursery.start_soon(follow, stream, pub.endpoint, pub.replay_endpoint)
                 # the engine then falls idle: only the join's replay brings them
                 await until(lambda: stream.last_seq == 2)
-                assert joined(stream) and stream.in_sync(trio.current_time())
+                assert stream.joined and stream.in_sync(trio.current_time())
                 assert matched_blocks(KEYS, stream.index) == 3 and stream.gaps == 0
                 nursery.cancel_scope.cancel()
     finally:
@@ -135,7 +130,7 @@ async def test_a_reconnection_replays_and_a_new_process_shows_its_restart() -> N
                 pub = KVEventPublisher({**conf, **endpoints})
                 pub.publish([stored(0)])
                 pub.flush()
-                await until(lambda: stream.joins == 2 and stream.replay_from is None)
+                await until(lambda: stream.joins == 2 and stream.joined)
                 assert not stream.in_sync(trio.current_time())  # suspect until it is known
                 pub.publish([stored(1)])  # its sequence 1 after our 2: taken as a restart
                 await until(lambda: stream.restarts == 1 and stream.in_sync(trio.current_time()))

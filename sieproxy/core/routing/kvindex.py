@@ -380,6 +380,11 @@ class EventStream:
         self.bad_batches = 0
 
     # -- state
+    @property
+    def joined(self) -> bool:
+        """Connected to the publisher, with what was published before replayed (or given up)."""
+        return self.joins > 0 and self.replay_from is None
+
     def in_sync(self, now: float) -> bool:
         return (
             self.synced and not self.suspect and self.replay_from is None and not self.stale(now)
